@@ -1,0 +1,3 @@
+"""mmpipe: streaming multimodal inference on Kafka."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,216 @@
+"""The `mmpipe` command: a thin layer over streams/, stages/, models/ and the store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mmpipe.settings import Settings, load_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console()
+
+STAGE_CLASSES = {
+    "decode": "stages.decode:DecodeStage",
+    "preprocess": "stages.preprocess:PreprocessStage",
+    "inference": "stages.inference:InferenceStage",
+    "sink": "stages.sink:SinkStage",
+}
+
+
+def _settings(bootstrap: str | None = None, **overrides: object) -> Settings:
+    settings = load_settings()
+    updates = {k: v for k, v in overrides.items() if v is not None}
+    if bootstrap:
+        updates["bootstrap"] = bootstrap
+    return settings.model_copy(update=updates) if updates else settings
+
+
+def _stage_class(stage: str) -> type:
+    module, _, name = STAGE_CLASSES[stage].partition(":")
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+BootstrapOpt = Annotated[Optional[str], typer.Option(help="Kafka bootstrap servers (default: settings)")]
+
+
+@app.command()
+def broker(port: int = 9092, host: str = "127.0.0.1") -> None:
+    """Run the embedded Kafka-protocol broker (Tansu) in the foreground."""
+    from streams.broker import EmbeddedBroker
+
+    with EmbeddedBroker(host, port) as embedded:
+        console.print(f"embedded broker on [bold]{embedded.bootstrap}[/] (memory storage); Ctrl-C stops it")
+        _wait_for_signal()
+
+
+@app.command()
+def topics(bootstrap: BootstrapOpt = None) -> None:
+    """Create the pipeline's topics (idempotent)."""
+    from streams.kafka import ensure_topics
+    from streams.topics import TopicNames
+
+    settings = _settings(bootstrap)
+    asyncio.run(ensure_topics(settings))
+    for name, spec in TopicNames(settings.topic_prefix).all():
+        console.print(f"{name:24} {settings.partitions} partitions  {spec.kafka_config() or ''}  {spec.description}")
+
+
+@app.command()
+def worker(stage: Annotated[str, typer.Argument(help="decode | preprocess | inference | sink")], bootstrap: BootstrapOpt = None) -> None:
+    """Run one stage as its own process (one member of the stage's consumer group)."""
+    from mmpipe.supervisor import READY_FILE_ENV
+    from streams.metrics import StageMetrics
+    from streams.stage import StageRuntime
+
+    if stage not in STAGE_CLASSES:
+        raise typer.BadParameter(f"stage must be one of {', '.join(STAGE_CLASSES)}")
+    settings = _settings(bootstrap)
+    logging.basicConfig(level=settings.log_level.upper().replace("WARN", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stage_obj = _stage_class(stage)(settings, StageMetrics(stage))
+    ready = os.environ.get(READY_FILE_ENV)
+    StageRuntime(stage_obj, Path(ready) if ready else None).run()
+
+
+@app.command()
+def up(
+    bootstrap: BootstrapOpt = None,
+    metrics_base_port: int = typer.Option(9100, help="stage i replica j serves metrics on base+10*i+j"),
+    decode: int = 1, preprocess: int = 1, inference: int = 1, sink: int = 1,
+) -> None:
+    """Start everything: the embedded broker (unless --bootstrap) and every stage's processes."""
+    from mmpipe.supervisor import Pipeline
+
+    settings = _settings(bootstrap)
+    replicas = {"decode": decode, "preprocess": preprocess, "inference": inference, "sink": sink}
+    with console.status("starting broker and stages (models load, groups join)..."):
+        pipeline = Pipeline(settings, embedded_broker=bootstrap is None, replicas=replicas, metrics_base_port=metrics_base_port).start()
+    try:
+        table = Table(title=f"pipeline up on {pipeline.settings.bootstrap}")
+        for col in ("process", "pid", "metrics", "log"):
+            table.add_column(col)
+        for proc in pipeline.processes:
+            port = metrics_base_port + 10 * list(replicas).index(proc.stage) + proc.index if metrics_base_port else None
+            table.add_row(proc.name, str(proc.process.pid), f"http://127.0.0.1:{port}/metrics" if port else "-", str(proc.log_path))
+        console.print(table)
+        console.print(f"publish with: MMPIPE_BOOTSTRAP={pipeline.settings.bootstrap} mmpipe produce FILE...   Ctrl-C stops")
+        _wait_for_signal()
+    finally:
+        pipeline.stop()
+
+
+@app.command()
+def produce(
+    files: Annotated[Optional[list[Path]], typer.Argument(help="media files to publish")] = None,
+    demo: int = typer.Option(0, help="publish N generated demo jobs (cycling video, image, audio, text)"),
+    modality: Optional[str] = typer.Option(None, help="image | audio | video | text (default: from extension)"),
+    model: Optional[str] = typer.Option(None, help="NAME:VERSION (default: the modality's model)"),
+    inline: bool = typer.Option(False, help="embed the bytes instead of sending a file URI"),
+    deadline_s: Optional[float] = typer.Option(None, help="seconds the job may take"),
+    job_id: Optional[str] = typer.Option(None, help="job id (one file only); same id twice = one job"),
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Publish media events to the `events` topic; prints each job id."""
+    from mmpipe.client import Publisher, event_for_file, parse_model
+    from mmpipe.demo import demo_events
+
+    settings = _settings(bootstrap)
+    ref = parse_model(model)
+    events = [
+        event_for_file(path, inline=inline, modality=modality, model=ref, deadline_s=deadline_s, job_id=job_id)
+        for path in files or []
+    ]
+    if demo:
+        events += demo_events(demo, Path("var/demo"), deadline_s=deadline_s)
+
+    async def run() -> None:
+        async with Publisher(settings) as publisher:
+            await publisher.publish_many(events)
+
+    asyncio.run(run())
+    for event in events:
+        console.print(f"{event.job_id}\t{event.modality}")
+
+
+@app.command()
+def results(
+    job_id: Annotated[Optional[str], typer.Argument()] = None,
+    follow: bool = typer.Option(False, "--follow", "-f", help="stream results from the results topic"),
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Show a job's stored result (and status), or follow the results topic."""
+    from mmpipe.report import print_result
+    from mmpipe.store import open_store
+
+    settings = _settings(bootstrap)
+    if follow:
+        from mmpipe.client import follow_results
+
+        async def run() -> None:
+            async for result in follow_results(settings, from_beginning=True):
+                print_result(console, result)
+
+        try:
+            asyncio.run(run())
+        except KeyboardInterrupt:
+            pass
+        return
+    if not job_id:
+        raise typer.BadParameter("give a JOB_ID or --follow")
+    store = open_store(settings.store_url)
+    job = store.get_job(job_id)
+    result = store.get_result(job_id)
+    if job is None and result is None:
+        console.print(f"[red]no job {job_id!r} in {settings.store_url}[/]")
+        raise typer.Exit(1)
+    if job is not None:
+        console.print(f"job {job.job_id}: [bold]{job.state}[/]  " + "  ".join(f"{k}={v:.3f}" for k, v in job.state_times.items()))
+    if result is not None:
+        print_result(console, result)
+
+
+@app.command()
+def lag(bootstrap: BootstrapOpt = None) -> None:
+    """Consumer lag per stage group and partition (like kafka-consumer-groups --describe)."""
+    from mmpipe.report import lag_table
+
+    settings = _settings(bootstrap)
+    console.print(asyncio.run(lag_table(settings)))
+
+
+@app.command()
+def demo(
+    jobs: int = typer.Option(4, help="demo jobs to publish (cycling video, image, audio, text)"),
+    timeout_s: float = typer.Option(300.0, help="give up waiting for results after this long"),
+) -> None:
+    """End to end on the embedded broker: start everything, publish generated media, print results."""
+    from mmpipe.demo import run_demo
+
+    settings = _settings(allow_random_weights=True)
+    ok = run_demo(settings, jobs, timeout_s, console)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _wait_for_signal() -> None:
+    stop = {"flag": False}
+
+    def handler(signum: int, frame: object) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    while not stop["flag"]:
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,161 @@
+"""The producer side and the downstream reader: build events, publish them keyed by job_id,
+and read results from the `results` topic."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer
+
+from mmpipe.settings import Settings
+from schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payload, decode_result, encode_event
+from streams.kafka import client_kwargs, make_producer
+from streams.topics import TopicNames
+
+EXTENSIONS = {
+    "image": {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"},
+    "audio": {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac"},
+    "video": {".mp4", ".mkv", ".webm", ".mov", ".avi"},
+    "text": {".txt", ".md"},
+}
+
+
+def guess_modality(path: Path) -> str:
+    suffix = path.suffix.lower()
+    for modality, suffixes in EXTENSIONS.items():
+        if suffix in suffixes:
+            return modality
+    raise ValueError(f"cannot tell the modality of {path.name}; pass --modality")
+
+
+def new_job_id(prefix: str = "job") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def parse_model(text: str | None) -> ModelRef | None:
+    if not text:
+        return None
+    name, _, version = text.partition(":")
+    if not version:
+        raise ValueError(f"model must be NAME:VERSION, got {text!r}")
+    return ModelRef(name, version)
+
+
+def make_event(
+    modality: str,
+    *,
+    data: bytes | None = None,
+    text: str | None = None,
+    uri: str | None = None,
+    job_id: str | None = None,
+    model: ModelRef | None = None,
+    deadline_s: float | None = None,
+    attributes: dict[str, str] | None = None,
+) -> MediaEvent:
+    now = time.time()
+    return MediaEvent(
+        job_id=job_id or new_job_id(modality),
+        modality=modality,  # type: ignore[arg-type]
+        payload=Payload(data=data, text=text, uri=uri),
+        schema_version=SCHEMA_VERSION,
+        created_at=now,
+        model=model,
+        deadline=None if deadline_s is None else now + deadline_s,
+        attributes=attributes or {},
+    )
+
+
+def event_for_file(path: Path, *, inline: bool, modality: str | None = None, **kwargs: object) -> MediaEvent:
+    modality = modality or guess_modality(path)
+    if modality == "text" and inline:
+        return make_event(modality, text=path.read_text("utf-8"), **kwargs)  # type: ignore[arg-type]
+    if inline:
+        return make_event(modality, data=path.read_bytes(), **kwargs)  # type: ignore[arg-type]
+    return make_event(modality, uri=str(path.resolve()), **kwargs)  # type: ignore[arg-type]
+
+
+class Publisher:
+    """Publishes events to the `events` topic, keyed by job_id (same job -> same partition)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topic = TopicNames(settings.topic_prefix).events
+        self._producer = make_producer(settings)
+
+    async def __aenter__(self) -> Publisher:
+        await self._producer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._producer.stop()
+
+    async def publish(self, event: MediaEvent) -> None:
+        await self._producer.send_and_wait(self.topic, encode_event(event), key=event.job_id.encode())
+
+    async def publish_raw(self, key: bytes | None, value: bytes) -> None:
+        """For tests and fault injection: put arbitrary bytes on the events topic."""
+        await self._producer.send_and_wait(self.topic, value, key=key)
+
+    async def publish_many(self, events: Iterable[MediaEvent]) -> int:
+        futures = [
+            await self._producer.send(self.topic, encode_event(e), key=e.job_id.encode()) for e in events
+        ]
+        await asyncio.gather(*futures)
+        return len(futures)
+
+
+async def follow_results(
+    settings: Settings, *, from_beginning: bool = True, idle_timeout_s: float | None = None
+) -> AsyncIterator[JobResult]:
+    """Read the `results` topic (no consumer group: every reader sees every result)."""
+    consumer = AIOKafkaConsumer(
+        TopicNames(settings.topic_prefix).results,
+        **client_kwargs(settings),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest" if from_beginning else "latest",
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        max_partition_fetch_bytes=settings.max_message_bytes,
+        fetch_max_bytes=settings.max_message_bytes * 2,
+    )
+    await consumer.start()
+    try:
+        while True:
+            batch = await consumer.getmany(timeout_ms=int((idle_timeout_s or 1.0) * 1000))
+            if not batch and idle_timeout_s is not None:
+                return
+            for records in batch.values():
+                for record in records:
+                    if record.value is not None:
+                        yield decode_result(record.value)
+    finally:
+        await consumer.stop()
+
+
+async def collect_results(
+    settings: Settings,
+    job_ids: set[str],
+    timeout_s: float,
+    on_result: Callable[[JobResult], None] | None = None,
+) -> dict[str, JobResult]:
+    """Wait until every job in `job_ids` has a result on the topic (or the timeout passes)."""
+    found: dict[str, JobResult] = {}
+
+    async def read() -> None:
+        async for result in follow_results(settings):
+            if result.job_id in job_ids and result.job_id not in found:
+                found[result.job_id] = result
+                if on_result is not None:
+                    on_result(result)
+                if len(found) == len(job_ids):
+                    return
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    return found

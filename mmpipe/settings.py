@@ -1,0 +1,155 @@
+"""One settings object for every process, read from the environment (MMPIPE_*) or a .env file.
+
+Nothing below this module reads the environment: stages, models and the store get a Settings
+instance (or the part of it they need) passed in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+BatchMode = Literal["dynamic", "static", "off"]
+
+
+class BatchingSettings(BaseModel):
+    """The two independent batching limits, plus the policy, for one model."""
+
+    mode: BatchMode = "dynamic"
+    max_batch_size: int = Field(8, ge=1, le=1024)
+    max_wait_ms: float = Field(10.0, ge=0.0)
+    # Static mode waits for a full batch; this is the safety valve for a lone item.
+    static_timeout_ms: float = Field(1000.0, ge=0.0)
+    # Bound of items waiting in the batcher (admission control inside the stage).
+    max_queue: int = Field(256, ge=1)
+
+
+class KafkaSecurity(BaseModel):
+    """Client security for a secured cluster; PLAINTEXT for the embedded broker."""
+
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MMPIPE_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="ignore",
+    )
+
+    # --- Kafka ---------------------------------------------------------------------------
+    bootstrap: str = "127.0.0.1:9092"
+    topic_prefix: str = "mm"
+    partitions: int = Field(4, ge=1)
+    replication: int = Field(1, ge=1)
+    security: KafkaSecurity = KafkaSecurity()
+    # Short group timeouts: a group joins in ~3 s and rebalances in ~4 s on the embedded broker.
+    session_timeout_s: float = 6.0
+    heartbeat_interval_s: float = 1.0
+    rebalance_timeout_s: float = 5.0
+    # The embedded broker holds a fetch for its whole max wait even when data is there,
+    # so this bounds per-hop latency when traffic is light.
+    fetch_max_wait_ms: int = 20
+    commit_interval_s: float = 0.5
+    max_message_bytes: int = 32 * 1024 * 1024
+
+    # --- Backpressure and admission -----------------------------------------------------
+    # In-flight items per assigned partition: pause the partition at `high`, resume at `low`.
+    inflight_high_per_partition: int = Field(32, ge=1)
+    inflight_low_per_partition: int = Field(8, ge=0)
+    # Hard cap of in-flight items per stage process: the agent waits when it is reached.
+    max_inflight: int = Field(256, ge=1)
+    # Faust's own per-topic buffer; when it fills faust stops fetching the partition.
+    stream_buffer_maxsize: int = Field(64, ge=1)
+    # Beyond this many uncommitted (lagging) jobs the decode stage answers new jobs with
+    # status "rejected" (or, with admission_policy=defer, stops taking them until it drains).
+    max_backlog: int = Field(10_000, ge=1)
+    admission_policy: Literal["reject", "defer"] = "reject"
+    memory_budget_bytes: int = 2 * 1024**3
+
+    # --- Retries ------------------------------------------------------------------------
+    max_retries: int = Field(3, ge=0)
+    retry_backoff_s: float = 0.2
+    retry_backoff_max_s: float = 5.0
+
+    # --- Input --------------------------------------------------------------------------
+    max_payload_bytes: int = 16 * 1024 * 1024
+    input_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path.cwd()])
+    allow_remote_uris: bool = False
+    default_deadline_s: float = 300.0
+
+    # --- Decode -------------------------------------------------------------------------
+    decode_workers: int = Field(2, ge=1)
+    decode_threads: int = Field(1, ge=0)  # codec threads per decode; 1 = predictable CPU use
+    video_sample_fps: float = Field(1.0, gt=0)
+    video_max_frames: int = Field(16, ge=1)
+    audio_max_seconds: float = Field(600.0, gt=0)
+
+    # --- Models and inference -----------------------------------------------------------
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
+    models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2"])
+    weights_dir: Path = Path("var/weights")
+    allow_random_weights: bool = False
+    batching: dict[str, BatchingSettings] = Field(default_factory=dict)
+    default_batching: BatchingSettings = BatchingSettings()
+    inference_workers: int = Field(2, ge=1)  # CPU workers for preprocess
+
+    # --- Sink ---------------------------------------------------------------------------
+    store_url: str = "sqlite:///var/results.db"
+
+    # --- Observability ------------------------------------------------------------------
+    metrics_port: int = 0  # 0 = no metrics server; `up` gives each stage its own port
+    lag_interval_s: float = 2.0
+    log_level: str = "warn"
+
+    # --- Job API --------------------------------------------------------------------------
+    api_token: str | None = None
+    api_max_upload_bytes: int = 16 * 1024 * 1024
+
+    @field_validator("input_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p for p in value.split(":") if p]
+        return value
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    def batching_for(self, model_name: str) -> BatchingSettings:
+        return self.batching.get(model_name, self.default_batching)
+
+
+SETTINGS_FILE_ENV = "MMPIPE_SETTINGS_FILE"
+
+
+def load_settings() -> Settings:
+    """Settings from MMPIPE_SETTINGS_FILE (JSON, written by a parent process such as `up`),
+    else from the environment / .env. Values in the file win over the environment."""
+    path = os.environ.get(SETTINGS_FILE_ENV)
+    if path:
+        return Settings(**json.loads(Path(path).read_text()))
+    return Settings()
+
+
+def write_settings(settings: Settings, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(settings.model_dump_json(exclude_none=True))
+    return path

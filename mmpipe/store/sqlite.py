@@ -1,0 +1,79 @@
+"""SQLite backend (the embedded default): WAL mode, one connection per store object.
+
+Finalisation of a job is serialised by BEGIN IMMEDIATE (SQLite has one writer at a time), so
+several sink processes may share one database file. "database is locked" beyond the busy
+timeout, and a missing or unwritable file, become StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mmpipe.store.base import StoreUnavailable
+from mmpipe.store.sql import SqlStore
+
+
+def sqlite_path(url: str) -> str:
+    # sqlite:///relative/path.db, sqlite:////absolute/path.db, sqlite:///:memory:
+    if not url.startswith("sqlite:///"):
+        raise ValueError(f"SQLite URLs look like sqlite:///path/to.db, got {url!r}")
+    return url[len("sqlite:///") :]
+
+
+class SqliteStore(SqlStore):
+    def __init__(self, url: str, busy_timeout_s: float = 5.0) -> None:
+        self.path = sqlite_path(url)
+        self.busy_timeout_s = busy_timeout_s
+        self._local = threading.local()
+
+    def _connection(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL: a committed transaction survives a process crash (SIGKILL); only an OS
+            # crash / power loss can drop the last few, which Kafka redelivery then replays.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = conn
+        return conn
+
+    @contextlib.contextmanager
+    def _transaction(self, lock_key: str | None = None) -> Iterator[Any]:
+        try:
+            conn = self._connection()
+            cur = conn.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            self._drop_connection()
+            raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc
+        try:
+            yield cur
+            cur.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            _rollback(conn)
+            raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc
+        except BaseException:
+            _rollback(conn)
+            raise
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+            self._local.conn = None
+
+    def close(self) -> None:
+        self._drop_connection()
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        conn.execute("ROLLBACK")

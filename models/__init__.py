@@ -1,0 +1,1 @@
+"""Models behind one small interface (models.base): a light spec and a loaded model."""

@@ -1,0 +1,125 @@
+"""The one small model interface every stage talks to.
+
+A model has two halves, like a Triton model repository entry:
+
+* ModelSpec  - the declarative contract plus the CPU-side work: what decode should produce,
+               how preprocess turns decoded media into model-ready tensors, how items are
+               grouped into shape buckets. No weights; decode and preprocess import only this.
+* LoadedModel - the weights on a device and `predict(batch)`. Only the inference stage loads it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from schemas import ModelRef
+
+
+class ModelError(Exception):
+    """Base of the model errors a stage turns into a clear status."""
+
+
+class UnknownModel(ModelError):
+    def __init__(self, ref: str, known: Sequence[str]) -> None:
+        super().__init__(f"unknown model {ref!r}; known: {', '.join(sorted(known))}")
+
+
+class WrongModality(ModelError):
+    pass
+
+
+class WeightsUnavailable(ModelError):
+    pass
+
+
+class BadInput(ModelError):
+    """An input the model cannot take (wrong shape, empty text, too long): never retried."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # -1 marks a variable dimension
+
+
+@dataclass(frozen=True)
+class DecodeHints:
+    """What decode should hand to this model's preprocess."""
+
+    image_short_side: int | None = None  # frames are downscaled in the RGB conversion pass
+    audio_sample_rate: int | None = None
+    audio_window_s: float | None = None  # long audio is cut into windows of this length
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The operator-readable contract of one model version."""
+
+    name: str
+    version: str
+    kind: str  # the work-item kind it takes: image | audio | text
+    description: str
+    inputs: tuple[TensorSpec, ...]
+    output: str
+    decode: DecodeHints = DecodeHints()
+    max_batch_size: int = 64  # model/memory bound; the batcher's limit is capped by it
+    length_buckets: tuple[int, ...] = ()  # variable-length inputs are padded up to one of these
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> ModelRef:
+        return ModelRef(self.name, self.version)
+
+
+class LoadedModel(abc.ABC):
+    """Weights on a device. `predict` runs on the inference stage's executor thread."""
+
+    def __init__(self, spec: ModelSpec, device: str, weights: str) -> None:
+        self.spec = spec
+        self.device = device
+        self.weights = weights  # "pretrained", "local:<file>" or "random"
+
+    @abc.abstractmethod
+    def predict(self, batch: list[dict[str, np.ndarray]]) -> list[Any]:
+        """One output (JSON-serialisable) per input, in order."""
+
+    def warmup(self) -> None:
+        """Run once on a representative input so the first real batch is not slow."""
+
+
+class ModelSpec(abc.ABC):
+    config: ModelConfig
+
+    @property
+    def ref(self) -> ModelRef:
+        return self.config.ref
+
+    @abc.abstractmethod
+    def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Decoded media -> model-ready tensors (runs in the preprocess stage)."""
+
+    def bucket_key(self, tensors: dict[str, np.ndarray]) -> Hashable:
+        """Items with equal keys can share a batch. Default: identical shapes."""
+        return tuple((name, array.shape) for name, array in sorted(tensors.items()))
+
+    @abc.abstractmethod
+    def load(self, device: str, weights_dir: str, allow_random: bool) -> LoadedModel:
+        ...
+
+    def example_input(self) -> dict[str, np.ndarray]:
+        """A model-ready input for warm-up and benchmarks."""
+        raise NotImplementedError
+
+
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket that holds `length` (inputs longer than the last are refused upstream)."""
+    for bound in buckets:
+        if length <= bound:
+            return bound
+    return buckets[-1] if buckets else length

@@ -1,0 +1,136 @@
+"""Image classification with a torchvision architecture and its ImageNet weights enum.
+
+Weights are looked for, in order: a local file in `weights_dir` named like the enum's download
+(e.g. resnet18-f37072fd.pth), torch hub's cache / download through the weights enum, and only
+when allowed random initialisation, which every result then reports as weights="random".
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torchvision
+from torchvision.transforms import v2
+
+from models.base import (
+    BadInput,
+    DecodeHints,
+    LoadedModel,
+    ModelConfig,
+    ModelSpec,
+    TensorSpec,
+    WeightsUnavailable,
+)
+from models.torch_util import inference_context, resolve_device
+
+log = logging.getLogger(__name__)
+
+TOP_K = 5
+
+
+class ImageClassifierSpec(ModelSpec):
+    def __init__(self, arch: str, weights_enum: Any, version: str, resize: int = 256, crop: int = 224):
+        self.arch = arch
+        self.weights_enum = weights_enum
+        self.categories: list[str] = list(weights_enum.meta["categories"])
+        self.config = ModelConfig(
+            name=arch,
+            version=version,
+            kind="image",
+            description=f"torchvision {arch}, {weights_enum} ({len(self.categories)} classes)",
+            inputs=(TensorSpec("pixels", "float16", (3, crop, crop)),),
+            output=f"top-{TOP_K} labels with probabilities",
+            decode=DecodeHints(image_short_side=resize),
+            max_batch_size=256,
+        )
+        mean, std = _normalisation(weights_enum)
+        self._transform = v2.Compose(
+            [
+                v2.Resize(resize, antialias=True),
+                v2.CenterCrop(crop),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(mean=mean, std=std),
+            ]
+        )
+        self.crop = crop
+
+    def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
+        rgb = tensors.get("rgb")
+        if rgb is None or rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
+            shape = None if rgb is None else rgb.shape
+            raise BadInput(f"{self.arch} wants an HxWx3 uint8 image, got {shape}")
+        if min(rgb.shape[:2]) < 8:
+            raise BadInput(f"image {rgb.shape[1]}x{rgb.shape[0]} is too small to classify")
+        chw = torch.from_numpy(rgb).permute(2, 0, 1)
+        pixels = self._transform(chw)
+        return {"pixels": pixels.to(torch.float16).numpy()}
+
+    def example_input(self) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(0)
+        return self.preprocess({"rgb": rng.integers(0, 255, (256, 341, 3), dtype=np.uint8)}, {})
+
+    def load(self, device: str, weights_dir: str, allow_random: bool) -> LoadedModel:
+        device = resolve_device(device)
+        model = getattr(torchvision.models, self.arch)(weights=None)
+        state, weights = self._load_state(Path(weights_dir), allow_random)
+        if state is not None:
+            model.load_state_dict(state)
+        return ImageClassifier(self, model, device, weights)
+
+    def _load_state(self, weights_dir: Path, allow_random: bool) -> tuple[dict | None, str]:
+        local = weights_dir / Path(self.weights_enum.url).name
+        if local.is_file():
+            return torch.load(local, map_location="cpu", weights_only=True), f"local:{local}"
+        try:
+            return self.weights_enum.get_state_dict(progress=False), "pretrained"
+        except Exception as exc:  # offline, hub cache empty, corrupt download...
+            if not allow_random:
+                raise WeightsUnavailable(
+                    f"no weights for {self.arch}: put {local.name} in {weights_dir} or allow "
+                    f"random weights (MMPIPE_ALLOW_RANDOM_WEIGHTS=1); download failed: {exc}"
+                ) from exc
+            log.warning("%s: pretrained weights unavailable (%s); using RANDOM weights", self.arch, exc)
+            return None, "random"
+
+
+class ImageClassifier(LoadedModel):
+    def __init__(self, spec: ImageClassifierSpec, model: torch.nn.Module, device: str, weights: str):
+        super().__init__(spec, device, weights)
+        self.categories = spec.categories
+        self.model = model.eval().to(device, memory_format=torch.channels_last)
+
+    def predict(self, batch: list[dict[str, np.ndarray]]) -> list[Any]:
+        pixels = torch.from_numpy(np.stack([item["pixels"] for item in batch]))
+        with inference_context(self.device):
+            pixels = pixels.to(self.device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+            logits = self.model(pixels if self.device != "cpu" else pixels.float())
+            probs = torch.softmax(logits.float(), dim=1)
+            top = torch.topk(probs, TOP_K, dim=1)
+        values, indices = top.values.cpu().numpy(), top.indices.cpu().numpy()
+        return [
+            {
+                "labels": [
+                    {"label": self.categories[int(i)], "index": int(i), "p": round(float(p), 5)}
+                    for p, i in zip(row_p, row_i)
+                ]
+            }
+            for row_p, row_i in zip(values, indices)
+        ]
+
+    def warmup(self) -> None:
+        self.predict([self.spec.example_input()])
+
+
+def _normalisation(weights_enum: Any) -> tuple[list[float], list[float]]:
+    transforms = weights_enum.transforms()
+    return list(transforms.mean), list(transforms.std)
+
+
+def resnet18_spec() -> ImageClassifierSpec:
+    return ImageClassifierSpec(
+        "resnet18", torchvision.models.ResNet18_Weights.IMAGENET1K_V1, version="imagenet1k-v1"
+    )

@@ -1,0 +1,158 @@
+"""Versioned contracts of every message that crosses a topic.
+
+External contract (producers write it):  MediaEvent                        -> topic `events`
+Internal contracts (stages write them):   WorkItem (binary, carries tensors) -> `decoded`, `ready`
+                                          Prediction                         -> `predictions`
+                                          DeadLetter                         -> `dead-letter`
+                                          JobStatus                          -> `status`
+Output contract (downstream reads it):    JobResult                          -> `results` + store
+
+Every struct is a msgspec Struct: decoding validates types and reports the path of the first
+bad field, and unknown fields are ignored so a newer producer can add optional fields.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Modality = Literal["image", "audio", "video", "text"]
+ItemKind = Literal["image", "audio", "text"]
+PredictionStatus = Literal["ok", "error", "expired"]
+ResultStatus = Literal["ok", "error", "expired", "rejected"]
+JobState = Literal[
+    "accepted", "decoding", "preprocessing", "inferring", "done", "failed", "expired", "rejected"
+]
+
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+
+
+class ModelRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.version}"
+
+
+class Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Exactly one of: inline bytes (base64 in JSON), inline text, or a URI to a local file."""
+
+    data: bytes | None = None  # msgspec encodes bytes as base64 in JSON
+    text: str | None = None
+    uri: str | None = None
+    content_type: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("data", "text", "uri") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"payload must have exactly one of data, text, uri; got {given or 'none'}"
+            )
+
+
+class MediaEvent(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A job as a producer publishes it. Keyed by job_id on the `events` topic."""
+
+    job_id: str
+    modality: Modality
+    payload: Payload
+    schema_version: int
+    created_at: float  # epoch seconds, set by the producer
+    model: ModelRef | None = None  # None: the modality's default model
+    deadline: float | None = None  # epoch seconds; None: created_at + default budget
+    attributes: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"unsupported schema_version {self.schema_version}; this build reads {SCHEMA_VERSION}"
+            )
+        if not _JOB_ID_RE.match(self.job_id):
+            raise ValueError(f"job_id must match {JOB_ID_PATTERN}")
+        if self.modality == "text" and self.payload.text is None and self.payload.data is None:
+            if self.payload.uri is None:
+                raise ValueError("a text job needs payload.text, payload.data or payload.uri")
+
+
+class Timings(msgspec.Struct, omit_defaults=True):
+    """Milliseconds spent on one path through the pipeline (queue = waiting, others = work)."""
+
+    queue_decode_ms: float = 0.0
+    decode_ms: float = 0.0
+    queue_preprocess_ms: float = 0.0
+    preprocess_ms: float = 0.0
+    queue_inference_ms: float = 0.0
+    batch_wait_ms: float = 0.0
+    execute_ms: float = 0.0
+    queue_sink_ms: float = 0.0
+    sink_ms: float = 0.0
+    end_to_end_ms: float = 0.0
+    batch_size: int = 0
+
+
+class Prediction(msgspec.Struct, frozen=True):
+    """One part of a job as the inference stage answers it."""
+
+    job_id: str
+    part: int
+    parts: int
+    kind: ItemKind
+    modality: Modality
+    model: ModelRef
+    status: PredictionStatus
+    created_at: float
+    trace: dict[str, float]
+    output: Any = None
+    error: str | None = None
+    meta: dict[str, Any] = {}
+    weights: str = "pretrained"
+    schema_version: int = SCHEMA_VERSION
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """Input a stage could not process, with the reason. The sink turns it into a failed job."""
+
+    job_id: str  # "unknown:<topic>:<partition>:<offset>" when the event had no readable id
+    stage: str
+    reason: str  # machine-readable code, e.g. "malformed_event", "undecodable_media"
+    detail: str  # human-readable explanation
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    failed_at: float
+    created_at: float | None = None
+    modality: str | None = None
+    payload_excerpt: bytes = b""  # first bytes of the raw message, for diagnosis
+    schema_version: int = SCHEMA_VERSION
+
+
+class JobStatus(msgspec.Struct, frozen=True):
+    """A stage reporting that it has started work on a job."""
+
+    job_id: str
+    state: JobState
+    at: float
+    stage: str
+
+
+class JobResult(msgspec.Struct):
+    """The one result per job_id: what the store holds and the `results` topic carries."""
+
+    job_id: str
+    status: ResultStatus
+    modality: str
+    model: ModelRef | None
+    prediction: Any
+    timings: Timings
+    created_at: float
+    completed_at: float
+    error: dict[str, str] | None = None
+    weights: str = "pretrained"
+    parts: int = 1
+    schema_version: int = SCHEMA_VERSION

@@ -1,0 +1,1 @@
+"""One module per pipeline stage: decode, preprocess, inference, sink."""

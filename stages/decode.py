@@ -1,0 +1,146 @@
+"""Decode stage (CPU): events -> decoded.
+
+Validates the event, resolves the model, reads the payload (inline or a local file under the
+allowed input roots), decodes it with PyAV on a worker thread and emits one work item per part:
+an image is one part, audio one part per window, a video one part per sampled frame plus its
+audio windows, a text one part. Bad input goes to the dead-letter topic with a reason; a job
+whose deadline already passed is answered as expired without being decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from mmpipe.inputs import InputError, read_payload
+from mmpipe.media import DecodedMedia, DecodeLimits, MediaError, decode_audio, decode_image, decode_text, decode_video, windows
+from models.base import ModelError, ModelSpec
+from models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
+from schemas import BadMessage, MediaEvent, WorkItem, decode_event, encode_work_item
+from streams.stage import Incoming, Outgoing, Stage
+
+
+class DecodeStage(Stage):
+    name = "decode"
+
+    def setup(self) -> None:
+        self._pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="decode")
+        all_specs()  # import the model specs (torch, torchvision) now, not on the first job
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Decode a tiny clip once so codec and swscale set-up is not billed to the first job."""
+        from mmpipe import samples
+
+        clip = samples.encode_video(seconds=1.0, width=64, height=48, audio=samples.tone_pcm(1.0))
+        decode_video(clip, DecodeLimits(video_max_frames=1))
+
+    async def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def handle(self, message: Incoming) -> list[Outgoing]:
+        event = decode_event(message.value)
+        started = message.received_at
+        deadline = event.deadline or event.created_at + self.settings.default_deadline_s
+        if time.time() > deadline:
+            return [self._expired(event, deadline, started)]
+        frame_spec = self._resolve(event)
+        payload = await self._read(event)
+        media = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._decode, event, payload, frame_spec
+        )
+        items = self._items(event, media, frame_spec, deadline, started)
+        self.metrics.observe_service("decode", time.time() - started)
+        key = event.job_id.encode()
+        return [self.status(event.job_id, "decoding")] + [
+            Outgoing(self.topics.decoded, key, encode_work_item(item)) for item in items
+        ]
+
+    # ---------------------------------------------------------------------------------------
+    def _resolve(self, event: MediaEvent) -> ModelSpec:
+        try:
+            return resolve(event.model, event.modality)
+        except ModelError as exc:
+            raise BadMessage("unknown_model", str(exc)) from None
+
+    async def _read(self, event: MediaEvent) -> Any:
+        try:
+            return await read_payload(event.payload, self.settings)
+        except InputError as exc:
+            raise BadMessage(exc.reason, exc.detail) from None
+
+    def _decode(self, event: MediaEvent, payload: Any, spec: ModelSpec) -> DecodedMedia | str:
+        hints = spec.config.decode
+        audio_spec = get_spec(DEFAULTS["audio"])
+        limits = DecodeLimits(
+            image_short_side=hints.image_short_side,
+            audio_sample_rate=(hints.audio_sample_rate or audio_spec.config.decode.audio_sample_rate or 16_000),
+            audio_max_seconds=self.settings.audio_max_seconds,
+            video_sample_fps=self.settings.video_sample_fps,
+            video_max_frames=self.settings.video_max_frames,
+            threads=self.settings.decode_threads,
+        )
+        try:
+            if event.modality == "text":
+                if isinstance(payload, str):
+                    return payload
+                return decode_text(payload.read_bytes() if isinstance(payload, Path) else payload)
+            decoder = {"image": decode_image, "audio": decode_audio, "video": decode_video}[event.modality]
+            return decoder(payload, limits)
+        except MediaError as exc:
+            raise BadMessage(exc.reason, exc.detail) from None
+
+    def _items(
+        self, event: MediaEvent, media: DecodedMedia | str, spec: ModelSpec, deadline: float, started: float
+    ) -> list[WorkItem]:
+        now = time.time()
+        trace = {"created": event.created_at, "decode_in": started, "decode_out": now}
+        parts: list[tuple[str, ModelSpec, dict, dict]] = []
+        if isinstance(media, str):
+            parts.append(("text", spec, {}, {"text": media}))
+        else:
+            for frame in media.frames:
+                meta = {"frame": frame.index, "t_s": frame.time_s, "width": media.width, "height": media.height}
+                parts.append(("image", spec, {"rgb": frame.rgb}, meta))
+            if media.pcm is not None and media.pcm.size:
+                audio_spec = spec if spec.config.kind == "audio" else get_spec(DEFAULTS["audio"])
+                hints = audio_spec.config.decode
+                rate = hints.audio_sample_rate or 16_000
+                for offset_s, chunk in windows(media.pcm, rate, hints.audio_window_s):
+                    meta = {"offset_s": offset_s, "sample_rate": rate}
+                    parts.append(("audio", audio_spec, {"pcm": chunk}, meta))
+            if event.modality == "audio" and not parts:
+                raise BadMessage("undecodable_media", "audio decoded to zero samples")
+        return [
+            WorkItem(
+                job_id=event.job_id,
+                part=index,
+                parts=len(parts),
+                kind=kind,
+                modality=event.modality,
+                model=part_spec.ref,
+                created_at=event.created_at,
+                deadline=deadline,
+                trace=dict(trace),
+                meta=meta,
+                tensors=tensors,
+            )
+            for index, (kind, part_spec, tensors, meta) in enumerate(parts)
+        ]
+
+    def _expired(self, event: MediaEvent, deadline: float, started: float) -> Outgoing:
+        kind = KIND_OF_MODALITY[event.modality]
+        return self.expired(
+            job_id=event.job_id,
+            part=0,
+            parts=1,
+            kind=kind,
+            modality=event.modality,
+            model=event.model or DEFAULTS[kind],
+            created_at=event.created_at,
+            trace={"created": event.created_at, "decode_in": started},
+            detail=f"deadline {deadline:.3f} passed before decode",
+        )

@@ -1,0 +1,62 @@
+"""Preprocess stage (CPU): decoded -> ready.
+
+Applies the model's own transform to each decoded part (torchvision resize / crop / normalise
+for frames, torchaudio resampling for audio, tokenisation for text) on a worker thread, so the
+inference stage receives model-ready tensors and spends its time on the accelerator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from models.base import BadInput, ModelError
+from models.registry import all_specs, get_spec
+from schemas import BadMessage, WorkItem, decode_work_item, encode_work_item
+from streams.stage import Incoming, Outgoing, Stage
+
+
+class PreprocessStage(Stage):
+    name = "preprocess"
+
+    def setup(self) -> None:
+        if self.settings.torch_threads:
+            torch.set_num_threads(self.settings.torch_threads)
+        self._pool = ThreadPoolExecutor(self.settings.inference_workers, thread_name_prefix="preprocess")
+        for spec in all_specs().values():
+            spec.example_input()  # first-call costs (lazy imports, tokenizer load) paid here
+
+    async def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def handle(self, message: Incoming) -> list[Outgoing]:
+        item = decode_work_item(message.value)
+        started = message.received_at
+        item.trace["preprocess_in"] = started
+        if time.time() > item.deadline:
+            return [self.expired(
+                job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
+                modality=item.modality, model=item.model, created_at=item.created_at,
+                trace=item.trace, detail="deadline passed before preprocess",
+            )]
+        ready = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, item)
+        ready.trace["preprocess_out"] = time.time()
+        self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
+        out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready))]
+        if item.part == 0:
+            out.append(self.status(item.job_id, "preprocessing"))
+        return out
+
+    def _preprocess(self, item: WorkItem) -> WorkItem:
+        try:
+            spec = get_spec(item.model)
+            item.tensors = spec.preprocess(item.tensors, item.meta)
+        except BadInput as exc:
+            raise BadMessage("bad_input", str(exc)) from None
+        except ModelError as exc:
+            raise BadMessage("unknown_model", str(exc)) from None
+        item.meta.pop("text", None)  # tokenised now; the text itself need not travel further
+        return item

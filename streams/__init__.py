@@ -1,0 +1,1 @@
+"""Topics, the embedded broker, the faust apps and the shared stage machinery."""
