@@ -1,0 +1,142 @@
+"""Every modality end to end through real stage processes on the embedded broker, bad input in
+the dead-letter topic with its reason, and redelivery that must not double a result."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+
+from mmpipe import samples
+from mmpipe.client import make_event
+from mmpipe.store import open_store
+from schemas import ModelRef, Prediction, to_json
+from tests.helpers import publish, publish_raw, topic_results, wait_for_results
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def media(media_dir):
+    speech = samples.speech_pcm()
+    files = {
+        "video": media_dir / "clip.mp4",
+        "image": media_dir / "picture.jpg",
+        "audio": media_dir / "speech.flac",
+    }
+    files["video"].write_bytes(samples.encode_video(seconds=3.0, width=320, height=180, audio=speech[: 3 * 16000]))
+    files["image"].write_bytes(samples.encode_image(samples.synthetic_picture(320, 240), "jpeg"))
+    files["audio"].write_bytes(samples.encode_audio(speech, fmt="flac"))
+    return files
+
+
+def test_every_modality_end_to_end(shared_pipeline, media):
+    settings = shared_pipeline.settings
+    events = [
+        make_event("video", uri=str(media["video"])),
+        make_event("image", uri=str(media["image"])),
+        make_event("image", data=samples.encode_image(samples.synthetic_picture(200, 150, seed=5))),
+        make_event("audio", uri=str(media["audio"])),
+        make_event("text", text="A sentence for the embedding model."),
+    ]
+    results = wait_for_results(settings, publish(settings, events))
+    by_modality = {e.job_id: e.modality for e in events}
+    for job_id, result in results.items():
+        assert result.status == "ok", result.error
+        assert result.modality == by_modality[job_id]
+        t = result.timings
+        assert t.end_to_end_ms > 0 and t.execute_ms > 0 and t.decode_ms > 0
+        parts = (t.queue_decode_ms + t.decode_ms + t.queue_preprocess_ms + t.preprocess_ms + t.queue_inference_ms
+                 + t.batch_wait_ms + t.execute_ms + t.queue_sink_ms + t.sink_ms)
+        assert parts == pytest.approx(t.end_to_end_ms, abs=1.0)  # the spans tile the path
+
+    video, image, inline_image, audio, text = (results[e.job_id] for e in events)
+    assert video.model == ModelRef("resnet18", "imagenet1k-v1") and video.weights == "random"
+    assert [f["t_s"] for f in video.prediction["frames"]] == [0.0, 1.0, 2.0]
+    assert all(len(f["labels"]) == 5 for f in video.prediction["frames"])
+    assert video.prediction["audio"]["speech_s"] > 0.5  # espeak speech in the audio track
+    assert len(image.prediction["labels"]) == 5 and len(inline_image.prediction["labels"]) == 5
+    # real speech between silences: the VAD finds it, and not in the leading second of silence
+    segments = audio.prediction["segments"]
+    assert segments and segments[0]["start_s"] >= 0.8 and audio.prediction["speech_s"] > 2.0
+    assert audio.model == ModelRef("silero-vad", "v6") and audio.weights == "pretrained"
+    embedding = text.prediction["embedding"]
+    assert len(embedding) == 384 and sum(x * x for x in embedding) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_bad_input_goes_to_dead_letter_and_next_job_completes(shared_pipeline, media):
+    settings = shared_pipeline.settings
+    big = b"\0" * (settings.max_payload_bytes + 1)
+    corrupt_video = samples.corrupt(media["video"].read_bytes())
+    bad = {
+        "malformed-json": b'{"job_id": "malformed-json", "modality": ',
+        "unknown-modality": orjson.dumps({"job_id": "unknown-modality", "modality": "smell", "payload": {"text": "x"},
+                                          "schema_version": 1, "created_at": time.time()}),
+        "corrupt-media": to_json(make_event("video", data=corrupt_video, job_id="corrupt-media")),
+        "oversized": to_json(make_event("image", data=big, job_id="oversized")),
+        "unknown-model": to_json(make_event("image", data=b"x", model=ModelRef("resnet18", "v999"), job_id="unknown-model")),
+        "outside-roots": to_json(make_event("image", uri="/etc/passwd", job_id="outside-roots")),
+    }
+    good = make_event("text", text="still working after the bad ones")
+    publish_raw(settings, [(key.encode(), value) for key, value in bad.items()])
+    publish(settings, [good])
+
+    results = wait_for_results(settings, [good.job_id, *bad])
+    assert results[good.job_id].status == "ok"
+    expected_reason = {
+        "malformed-json": "malformed_json",
+        "unknown-modality": "unknown_modality",
+        "corrupt-media": "undecodable_media",
+        "oversized": "payload_too_large",
+        "unknown-model": "unknown_model",
+        "outside-roots": "uri_outside_input_roots",
+    }
+    store = open_store(settings.store_url)
+    for job_id, reason in expected_reason.items():
+        result = results[job_id]
+        assert result.status == "error" and result.error["code"] == reason, (job_id, result.error)
+        assert result.error["message"]
+        letters = store.dead_letters(job_id)
+        assert [(letter["stage"], letter["reason"]) for letter in letters] == [("decode", reason)]
+
+
+def test_redelivered_job_and_duplicate_prediction_make_one_result(shared_pipeline):
+    settings = shared_pipeline.settings
+    event = make_event("text", text="only once, please")
+    publish(settings, [event])
+    first = wait_for_results(settings, [event.job_id])[event.job_id]
+    # The same event again (a producer retry) and a replayed prediction (a sink redelivery).
+    publish(settings, [event])
+    duplicate = Prediction(
+        job_id=event.job_id, part=0, parts=1, kind="text", modality="text", model=ModelRef("all-minilm-l6-v2", "1"),
+        status="ok", created_at=event.created_at, trace={}, output={"embedding": [0.0] * 384},
+    )
+    _publish_to(settings, settings.topic_prefix + ".predictions", event.job_id.encode(), to_json(duplicate))
+    marker = make_event("text", text="marker after the duplicates")
+    publish(settings, [marker])
+    wait_for_results(settings, [marker.job_id])
+
+    store = open_store(settings.store_url)
+    assert store.get_result(event.job_id).prediction == first.prediction
+    with store._transaction() as cur:  # noqa: SLF001 - count rows directly
+        cur.execute("SELECT COUNT(*) FROM results WHERE job_id = ?", (event.job_id,))
+        assert cur.fetchone()[0] == 1
+    on_topic = [r for r in topic_results(settings) if r.job_id == event.job_id]
+    assert on_topic and {orjson.dumps(r.prediction) for r in on_topic} == {orjson.dumps(first.prediction)}
+
+
+def _publish_to(settings, topic: str, key: bytes, value: bytes) -> None:
+    import asyncio
+
+    from streams.kafka import make_producer
+
+    async def go() -> None:
+        producer = make_producer(settings)
+        await producer.start()
+        try:
+            await producer.send_and_wait(topic, value, key=key)
+        finally:
+            await producer.stop()
+
+    asyncio.run(go())
