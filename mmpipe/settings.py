@@ -106,6 +106,8 @@ class Settings(BaseSettings):
     batching: dict[str, BatchingSettings] = Field(default_factory=dict)
     default_batching: BatchingSettings = BatchingSettings()
     inference_workers: int = Field(2, ge=1)  # CPU workers for preprocess
+    # Fault injection for benchmarks and tests (a degraded replica): extra time per batch.
+    inject_execute_delay_ms: float = Field(0.0, ge=0.0)
 
     # --- Sink ---------------------------------------------------------------------------
     store_url: str = "sqlite:///var/results.db"

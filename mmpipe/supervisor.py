@@ -48,6 +48,8 @@ class Pipeline:
     replicas: dict[str, int] = field(default_factory=dict)
     metrics_base_port: int = 0  # 0: no metrics servers; else stage i replica j gets base+10*i+j
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Per-replica settings changes, e.g. {("inference", 1): {"inject_execute_delay_ms": 50}}.
+    replica_overrides: dict[tuple[str, int], dict] = field(default_factory=dict)
     broker: EmbeddedBroker | None = None
     processes: list[StageProcess] = field(default_factory=list)
 
@@ -93,7 +95,7 @@ class Pipeline:
         ready = self.workdir / f"{stage}-{index}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{stage}-{index}.log"
-        settings = self.settings
+        settings = self.settings.model_copy(update=self.replica_overrides.get((stage, index), {}))
         if self.metrics_base_port:
             port = self.metrics_base_port + 10 * STAGES.index(stage) + index
             settings = settings.model_copy(update={"metrics_port": port})

@@ -9,6 +9,8 @@ with the model's error; an item whose deadline passed is answered as expired, ne
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -44,7 +46,7 @@ class InferenceStage(Stage):
         for ref, model in self.models.items():
             batcher = DynamicBatcher(
                 name=ref.name,
-                predict=model.predict,
+                predict=self._with_injected_delay(model.predict),
                 bucket_key=model.spec.bucket_key,
                 settings=self.settings.batching_for(ref.name),
                 model_limit=model.spec.config.max_batch_size,
@@ -53,6 +55,17 @@ class InferenceStage(Stage):
             )
             batcher.start()
             self.batchers[ref] = batcher
+
+    def _with_injected_delay(self, predict: Callable[[list], list]) -> Callable[[list], list]:
+        delay_s = self.settings.inject_execute_delay_ms / 1000.0
+        if not delay_s:
+            return predict
+
+        def slowed(batch: list) -> list:
+            time.sleep(delay_s)  # a degraded replica: same answers, later
+            return predict(batch)
+
+        return slowed
 
     async def stop(self) -> None:
         for batcher in self.batchers.values():
