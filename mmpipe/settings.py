@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     fetch_max_wait_ms: int = 20
     commit_interval_s: float = 0.5
     max_message_bytes: int = 32 * 1024 * 1024
+    # One record per producer batch. The embedded broker (Tansu) answers ListOffsets with the
+    # last batch's base offset + 1, so with multi-record batches every lag read-out would be
+    # wrong; single-record batches keep it exact. Apache Kafka is right either way: set False
+    # there to let producers batch.
+    single_record_batches: bool = True
 
     # --- Backpressure and admission -----------------------------------------------------
     # In-flight items per assigned partition: pause the partition at `high`, resume at `low`.
@@ -71,10 +76,17 @@ class Settings(BaseSettings):
     inflight_low_per_partition: int = Field(8, ge=0)
     # Hard cap of in-flight items per stage process: the agent waits when it is reached.
     max_inflight: int = Field(256, ge=1)
+    # Bound on the next stage's lag (messages per partition of this stage's output topic):
+    # beyond `high` this stage pauses the matching input partition, below `low` it resumes.
+    downstream_lag_high: int = Field(256, ge=1)
+    downstream_lag_low: int = Field(64, ge=0)
+    # Records handed over per fetch: what still arrives after a partition is paused.
+    max_poll_records: int = Field(64, ge=1)
     # Faust's own per-topic buffer; when it fills faust stops fetching the partition.
     stream_buffer_maxsize: int = Field(64, ge=1)
-    # Beyond this many uncommitted (lagging) jobs the decode stage answers new jobs with
-    # status "rejected" (or, with admission_policy=defer, stops taking them until it drains).
+    # Admission at the decode stage: with policy "reject", while more than max_backlog events
+    # wait in front of it, it answers the oldest as "rejected" (cheap, no work) so the queue
+    # and the latency of admitted jobs stay bounded; with "defer" jobs just wait in Kafka.
     max_backlog: int = Field(10_000, ge=1)
     admission_policy: Literal["reject", "defer"] = "reject"
     memory_budget_bytes: int = 2 * 1024**3
@@ -114,7 +126,7 @@ class Settings(BaseSettings):
 
     # --- Observability ------------------------------------------------------------------
     metrics_port: int = 0  # 0 = no metrics server; `up` gives each stage its own port
-    lag_interval_s: float = 2.0
+    lag_interval_s: float = 0.5  # lag read-out, downstream bound and admission refresh
     log_level: str = "warn"
 
     # --- Job API --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 
 Modality = Literal["image", "audio", "video", "text"]
 ItemKind = Literal["image", "audio", "text"]
-PredictionStatus = Literal["ok", "error", "expired"]
+PredictionStatus = Literal["ok", "error", "expired", "rejected"]
 ResultStatus = Literal["ok", "error", "expired", "rejected"]
 JobState = Literal[
     "accepted", "decoding", "preprocessing", "inferring", "done", "failed", "expired", "rejected"

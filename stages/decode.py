@@ -20,11 +20,17 @@ from mmpipe.media import DecodedMedia, DecodeLimits, MediaError, decode_audio, d
 from models.base import ModelError, ModelSpec
 from models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
 from schemas import BadMessage, MediaEvent, WorkItem, decode_event, encode_work_item
+from mmpipe.settings import Settings
+from streams.metrics import StageMetrics
 from streams.stage import Incoming, Outgoing, Stage
 
 
 class DecodeStage(Stage):
     name = "decode"
+
+    def __init__(self, settings: Settings, metrics: StageMetrics) -> None:
+        super().__init__(settings, metrics)
+        self.sheds_load = settings.admission_policy == "reject"  # the pipeline's admission point
 
     def setup(self) -> None:
         self._pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="decode")
@@ -45,8 +51,13 @@ class DecodeStage(Stage):
         event = decode_event(message.value)
         started = message.received_at
         deadline = event.deadline or event.created_at + self.settings.default_deadline_s
+        self.backlog = max(self.backlog - 1, 0)
         if time.time() > deadline:
-            return [self._expired(event, deadline, started)]
+            return [self._answer(event, "expired", started, f"deadline {deadline:.3f} passed before decode")]
+        if self.sheds_load and self.backlog > self.settings.max_backlog:
+            detail = (f"overloaded: {self.backlog} jobs wait for decode (max_backlog "
+                      f"{self.settings.max_backlog}); retry later")
+            return [self._answer(event, "rejected", started, detail)]
         frame_spec = self._resolve(event)
         payload = await self._read(event)
         media = await asyncio.get_running_loop().run_in_executor(
@@ -131,9 +142,10 @@ class DecodeStage(Stage):
             for index, (kind, part_spec, tensors, meta) in enumerate(parts)
         ]
 
-    def _expired(self, event: MediaEvent, deadline: float, started: float) -> Outgoing:
+    def _answer(self, event: MediaEvent, status: str, started: float, detail: str) -> Outgoing:
         kind = KIND_OF_MODALITY[event.modality]
-        return self.expired(
+        return self.answer_without_work(
+            status,
             job_id=event.job_id,
             part=0,
             parts=1,
@@ -142,5 +154,5 @@ class DecodeStage(Stage):
             model=event.model or DEFAULTS[kind],
             created_at=event.created_at,
             trace={"created": event.created_at, "decode_in": started},
-            detail=f"deadline {deadline:.3f} passed before decode",
+            detail=detail,
         )

@@ -84,7 +84,7 @@ class InferenceStage(Stage):
         try:
             output, info = await batcher.submit(item.tensors, item.deadline)
         except Expired as exc:
-            return [self.expired(**common, trace=item.trace, detail=str(exc))]
+            return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc))]
         except ItemFailed as exc:
             raise BadMessage("model_error", str(exc)) from None
         item.trace.update(batch_start=info.started_at, batch_end=info.finished_at)

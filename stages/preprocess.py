@@ -37,7 +37,8 @@ class PreprocessStage(Stage):
         started = message.received_at
         item.trace["preprocess_in"] = started
         if time.time() > item.deadline:
-            return [self.expired(
+            return [self.answer_without_work(
+                "expired",
                 job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
                 modality=item.modality, model=item.model, created_at=item.created_at,
                 trace=item.trace, detail="deadline passed before preprocess",

@@ -82,10 +82,10 @@ class SinkStage(Stage):
 
 # Assembly: parts -> one result ----------------------------------------------------------------
 def assemble(parts: list[Prediction]) -> JobResult:
-    """Build a job's result from its parts (all of them, or one expired part)."""
+    """Build a job's result from its parts (all of them, or one expired/rejected part)."""
     completed = time.time()
     first = parts[0]
-    expired = [p for p in parts if p.status == "expired"]
+    unanswered = [p for p in parts if p.status in ("expired", "rejected")]
     critical = max(parts, key=lambda p: p.trace.get("sink_in", 0.0))  # the part that finished last
     timings = timings_from_trace(critical.trace, first.created_at, completed, critical.meta.get("batch_size", 0))
     model = first.model
@@ -101,8 +101,11 @@ def assemble(parts: list[Prediction]) -> JobResult:
         parts=first.parts,
         weights="random" if any(p.weights == "random" for p in parts) else first.weights,
     )
-    if expired:
-        return JobResult(status="expired", prediction=None, error={"code": "deadline_exceeded", "message": expired[0].error or ""}, **common)
+    if unanswered:
+        first_unanswered = unanswered[0]
+        code = "deadline_exceeded" if first_unanswered.status == "expired" else "overloaded"
+        error = {"code": code, "message": first_unanswered.error or ""}
+        return JobResult(status=first_unanswered.status, prediction=None, error=error, **common)
     return JobResult(status="ok", prediction=_prediction(first.modality, parts), **common)
 
 
@@ -169,7 +172,7 @@ def failed_result(letter: DeadLetter, sink_in: float) -> JobResult:
     modality = letter.modality or "unknown"
     return JobResult(
         job_id=letter.job_id,
-        status="rejected" if letter.reason == "rejected_overload" else "error",
+        status="error",
         modality=modality,
         model=None,  # a dead-lettered job may name no model, or one that does not exist
         prediction=None,

@@ -1,28 +1,42 @@
-"""Partition-aware backpressure: bounded in-flight work per partition, pause/resume of fetching.
+"""Partition-aware backpressure: bounded in-flight work per partition, pause/resume of fetching,
+and a bound on the backlog a stage may pile up in front of the next stage.
 
 A stage takes a message, works on it, produces its output, waits for the broker's ack of that
 output and only then acks the input (so the committed offset never passes unfinished work).
-Between take and ack the message is "in flight". The gate bounds that:
+Between take and ack the message is "in flight". The gate pauses a partition's fetching for
+either of two reasons, and resumes it when neither holds:
 
-* per partition: at `high` in-flight items the partition's fetching is paused (other partitions
-  keep flowing); it resumes when the partition drains to `low` (hysteresis, no flapping);
-* per process: at `max_total` in-flight items the agent itself waits, which also bounds what
-  faust may still deliver from its prefetch buffer after a pause.
+* "inflight": the partition has `high` items in flight; released when it drains to `low`
+  (hysteresis, no flapping). Other partitions keep flowing.
+* "downstream": the next stage's consumer group lags more than a bound on the matching
+  partition of this stage's output topic (Ray Data's bounded memory between operators, made
+  of Kafka topics: a slow GPU stage throttles decoding instead of piling frames up).
 
-Memory per stage is therefore bounded by max_total items plus faust's stream buffer
-(stream_buffer_maxsize per topic), never by the backlog in Kafka.
+Per process, at `max_total` in-flight items the agent itself waits; that also bounds what
+faust may still deliver from its prefetch buffer after a pause. Memory per stage is therefore
+bounded by max_total items plus faust's stream buffer, never by the backlog in Kafka.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from faust.types import TP
 
 from streams.metrics import StageMetrics
 
 TPLike = Any  # faust TP / aiokafka TopicPartition: (topic, partition) named tuple
+
+
+def as_tp(tp: TPLike) -> TP:
+    """faust's consumer asserts its partition sets hold faust TPs, not aiokafka's twins."""
+    return tp if isinstance(tp, TP) else TP(tp[0], tp[1])
+
+INFLIGHT = "inflight"
+DOWNSTREAM = "downstream"
 
 
 class PartitionGate:
@@ -45,14 +59,19 @@ class PartitionGate:
         self._resume = resume
         self._metrics = metrics
         self.inflight: Counter[TPLike] = Counter()
-        self.paused: set[TPLike] = set()
+        self.reasons: dict[TPLike, set[str]] = defaultdict(set)
         self.total = 0
         self.peak_total = 0
         self._has_space = asyncio.Event()
         self._has_space.set()
 
+    @property
+    def paused(self) -> set[TPLike]:
+        return {tp for tp, reasons in self.reasons.items() if reasons}
+
     async def acquire(self, tp: TPLike) -> None:
         """Count one item of `tp` in flight; wait while the process-wide cap is reached."""
+        tp = as_tp(tp)
         if self.total >= self.max_total and self._metrics:
             self._metrics.admission_waits.labels(self._metrics.stage).inc()
         while self.total >= self.max_total:
@@ -61,38 +80,57 @@ class PartitionGate:
         self.total += 1
         self.peak_total = max(self.peak_total, self.total)
         self.inflight[tp] += 1
-        # Pause again even if already marked paused: faust's own buffer flow control can
-        # re-activate a partition that we paused.
         if self.inflight[tp] >= self.high:
-            if tp not in self.paused and self._metrics:
-                self._metrics.pauses.labels(self._metrics.stage).inc()
-            self.paused.add(tp)
-            self._pause([tp])
+            # Pause again even if already paused: faust's own buffer flow control can
+            # re-activate a partition that we paused.
+            self._hold(tp, INFLIGHT, force=True)
         self._publish(tp)
 
     def release(self, tp: TPLike) -> None:
         """One item of `tp` is done (its output acknowledged, its offset acked)."""
+        tp = as_tp(tp)
         self.total -= 1
         self.inflight[tp] -= 1
         if self.inflight[tp] <= 0:
             del self.inflight[tp]
-        if tp in self.paused and self.inflight[tp] <= self.low:
-            self.paused.discard(tp)
-            self._resume([tp])
+        if self.inflight[tp] <= self.low:
+            self._unhold(tp, INFLIGHT)
         self._publish(tp)
         if self.total < self.max_total:
             self._has_space.set()
 
-    def forget(self, tps: Iterable[TPLike]) -> None:
-        """Partitions revoked in a rebalance: they are no longer ours to resume."""
-        for tp in tps:
-            self.paused.discard(tp)
+    def hold_for_downstream(self, tps: Iterable[TPLike], full: bool) -> None:
+        """Pause (full=True) or release (full=False) partitions for the downstream reason."""
+        for tp in map(as_tp, tps):
+            if full:
+                # forced: faust resumes every partition after a rebalance's recovery
+                self._hold(tp, DOWNSTREAM, force=True)
+            else:
+                self._unhold(tp, DOWNSTREAM)
             self._publish(tp)
 
-    def resume_all(self) -> None:
-        if self.paused:
-            self._resume(list(self.paused))
-            self.paused.clear()
+    def forget(self, tps: Iterable[TPLike]) -> None:
+        """Partitions revoked in a rebalance: they are no longer ours to resume."""
+        for tp in map(as_tp, tps):
+            self.reasons.pop(tp, None)
+            self._publish(tp)
+
+    def _hold(self, tp: TPLike, reason: str, force: bool = False) -> None:
+        reasons = self.reasons[tp]
+        was_paused = bool(reasons)
+        reasons.add(reason)
+        if not was_paused and self._metrics:
+            self._metrics.pauses.labels(self._metrics.stage).inc()
+        if not was_paused or force:
+            self._pause([tp])
+
+    def _unhold(self, tp: TPLike, reason: str) -> None:
+        reasons = self.reasons.get(tp)
+        if not reasons or reason not in reasons:
+            return
+        reasons.discard(reason)
+        if not reasons:
+            self._resume([tp])
 
     def _publish(self, tp: TPLike) -> None:
         if self._metrics is None:
@@ -101,4 +139,4 @@ class PartitionGate:
         topic, partition = tp[0], str(tp[1])
         self._metrics.inflight.labels(stage).set(self.total)
         self._metrics.partition_inflight.labels(stage, topic, partition).set(self.inflight.get(tp, 0))
-        self._metrics.partition_paused.labels(stage, topic, partition).set(1 if tp in self.paused else 0)
+        self._metrics.partition_paused.labels(stage, topic, partition).set(1 if self.reasons.get(tp) else 0)

@@ -115,10 +115,11 @@ class BatchPolicy:
     def _trigger(self, queue: deque[Pending], now: float) -> str | None:
         if self.mode == "off" or len(queue) >= self.max_batch_size:
             return "full"
-        waited = now - queue[0].arrived
-        if self.mode == "dynamic" and waited >= self.max_wait_s:
+        # Same expressions as wake_at(), so a wake-up at that instant always finds it due.
+        oldest = queue[0].arrived
+        if self.mode == "dynamic" and now >= oldest + self.max_wait_s:
             return "max_wait"
-        if self.mode == "static" and waited >= self.static_timeout_s:
+        if self.mode == "static" and now >= oldest + self.static_timeout_s:
             return "timeout"
         return None
 

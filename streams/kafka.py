@@ -37,6 +37,16 @@ def stage_input_topics(settings: Settings, stage: str) -> list[str]:
     }[stage]
 
 
+def downstream_of(settings: Settings, stage: str) -> tuple[str, str] | None:
+    """(output topic, consuming group) of the stage after `stage`; None after the sink."""
+    names = TopicNames(settings.topic_prefix)
+    return {
+        "decode": (names.decoded, group_id(settings, "preprocess")),
+        "preprocess": (names.ready, group_id(settings, "inference")),
+        "inference": (names.predictions, group_id(settings, "sink")),
+    }.get(stage)
+
+
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:
     sec = settings.security
     if sec.security_protocol not in ("SSL", "SASL_SSL"):
@@ -69,6 +79,8 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
     # No idempotent producer / transactions: the embedded broker refuses InitProducerId, and
     # duplicates are made harmless by job_id-keyed idempotent writes downstream.
     options = dict(acks="all", linger_ms=0, max_request_size=settings.max_message_bytes)
+    if settings.single_record_batches:
+        options["max_batch_size"] = 1  # see Settings.single_record_batches
     options.update(overrides)
     return AIOKafkaProducer(**client_kwargs(settings), **options)
 

@@ -32,7 +32,7 @@ from mmpipe.settings import Settings
 from schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Prediction, peek_header, to_json
 from streams import transport
 from streams.backpressure import PartitionGate
-from streams.kafka import LagReader, group_id, stage_input_topics
+from streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
 from streams.metrics import StageMetrics, StageMonitor, serve_metrics
 from streams.topics import TopicNames
 
@@ -80,11 +80,14 @@ class Stage(abc.ABC):
     """One step of the pipeline; subclasses live in stages/."""
 
     name: ClassVar[str]
+    # A stage that sheds load answers jobs as rejected beyond max_backlog instead of waiting.
+    sheds_load: bool = False
 
     def __init__(self, settings: Settings, metrics: StageMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.topics = TopicNames(settings.topic_prefix)
+        self.backlog = 0  # this group's lag, refreshed by the runtime, decremented per message
 
     @property
     def input_topics(self) -> list[str]:
@@ -107,13 +110,15 @@ class Stage(abc.ABC):
         """Called once the broker acknowledged every output, before the input is acked."""
 
     # Helpers for subclasses ------------------------------------------------------------
-    def expired(self, *, job_id: str, part: int, parts: int, kind: str, modality: str, model: ModelRef,
-                created_at: float, trace: dict[str, float], detail: str) -> Outgoing:
-        """Answer an item whose deadline passed: no work is done for it."""
-        self.metrics.expired.labels(self.name).inc()
+    def answer_without_work(self, status: str, *, job_id: str, part: int, parts: int, kind: str, modality: str,
+                            model: ModelRef, created_at: float, trace: dict[str, float], detail: str) -> Outgoing:
+        """Answer an item as expired (deadline passed) or rejected (overload): no work is done,
+        the answer goes straight to the sink, which decides the whole job with it."""
+        counter = self.metrics.expired if status == "expired" else self.metrics.rejected
+        counter.labels(self.name).inc()
         prediction = Prediction(
             job_id=job_id, part=part, parts=parts, kind=kind, modality=modality, model=model,
-            status="expired", created_at=created_at, trace=trace, error=detail,
+            status=status, created_at=created_at, trace=trace, error=detail,
         )
         return Outgoing(self.topics.predictions, job_id.encode(), to_json(prediction))
 
@@ -168,10 +173,12 @@ def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
         broker_rebalance_timeout=settings.rebalance_timeout_s,
         broker_commit_interval=settings.commit_interval_s,
         stream_buffer_maxsize=settings.stream_buffer_maxsize,
+        broker_max_poll_records=settings.max_poll_records,
         producer_max_request_size=settings.max_message_bytes,
         consumer_max_fetch_size=settings.max_message_bytes,
         producer_acks=-1,
         producer_linger_ms=0,
+        producer_max_batch_size=1 if settings.single_record_batches else 16384,
         # Stages are idempotent downstream, but finishing in-flight work before a rebalance
         # still saves duplicates.
         stream_wait_empty=True,
@@ -219,12 +226,13 @@ class StageRuntime:
         self._stopping = False
         channel = self.app.topic(*stage.input_topics, partitions=self.settings.partitions)
         self.app.agent(channel, name=f"{stage.name}-agent")(self._agent)
-        self.app.timer(self.settings.lag_interval_s)(self._export_lag)
+        self.app.timer(self.settings.lag_interval_s)(self._watch_lag)
         self.app.on_partitions_revoked.connect(self._on_revoked)
         self.app.on_partitions_assigned.connect(self._on_assigned)
         self.app.task(self._on_startup)
         self.app.on_before_shutdown.connect(self._on_shutdown)
         self._lag_reader: LagReader | None = None
+        self._downstream_lag: dict[int, int] = {}  # per output partition, see _count_downstream
         self._started = asyncio.Event()
 
     # Lifecycle --------------------------------------------------------------------------
@@ -262,7 +270,12 @@ class StageRuntime:
             await self.gate.acquire(tp)
             task = asyncio.ensure_future(self._process(event, tp))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("stage %s: message task failed", self.stage.name, exc_info=task.exception())
 
     async def _process(self, event: Any, tp: Any) -> None:
         m = event.message
@@ -332,7 +345,7 @@ class StageRuntime:
                     await self.app.producer.send(out.topic, out.key, out.value, None, None, None)
                     for out in outgoing
                 ]
-                await asyncio.gather(*futures)
+                self._count_downstream(await asyncio.gather(*futures))
                 return
             except MessageSizeTooLargeError as exc:
                 # Retrying cannot help; tell the sink why this job produced nothing.
@@ -341,16 +354,58 @@ class StageRuntime:
                 await self._retry_pause("produce_failed", attempt, exc)
                 attempt += 1
 
-    # Lag ---------------------------------------------------------------------------------
-    async def _export_lag(self) -> None:
+    # Lag, downstream backpressure, admission -------------------------------------------
+    async def _watch_lag(self) -> None:
+        """Export this group's lag, feed the stage's backlog estimate, and hold partitions
+        while the next stage lags too far behind on this stage's output."""
         try:
             if self._lag_reader is None:
                 self._lag_reader = LagReader(self.settings)
             group = group_id(self.settings, self.stage.name)
-            for row in await self._lag_reader.read(group, self.stage.input_topics):
+            rows = await self._lag_reader.read(group, self.stage.input_topics)
+            for row in rows:
                 self.metrics.lag.labels(group, row.topic, str(row.partition)).set(row.lag)
-        except Exception as exc:  # lag is telemetry: never let it hurt the stage
-            log.debug("lag read failed: %s", exc)
+            self.stage.backlog = sum(row.lag for row in rows)
+            await self._apply_downstream_bound()
+        except Exception as exc:  # telemetry and throttling must never kill the stage
+            log.warning("lag read failed: %r", exc)
+
+    async def _apply_downstream_bound(self) -> None:
+        downstream = downstream_of(self.settings, self.stage.name)
+        if downstream is None or self._lag_reader is None:
+            return
+        topic, group = downstream
+        rows = await self._lag_reader.read(group, [topic])
+        self._downstream_lag = {row.partition: row.lag for row in rows}
+        for row in rows:
+            self.metrics.lag.labels(group, row.topic, str(row.partition)).set(row.lag)
+        self._hold_or_release_for_downstream()
+
+    def _count_downstream(self, metadata: list[Any]) -> None:
+        """Between two lag read-outs, count what we add to each downstream partition, so a
+        fast stage pauses as soon as its estimate crosses the bound, not one interval late."""
+        downstream = downstream_of(self.settings, self.stage.name)
+        if downstream is None or not self._downstream_lag:
+            return
+        added = [md.partition for md in metadata if md is not None and md.topic == downstream[0]]
+        for partition in added:
+            self._downstream_lag[partition] = self._downstream_lag.get(partition, 0) + 1
+        if added:
+            self._hold_or_release_for_downstream()
+
+    def _hold_or_release_for_downstream(self) -> None:
+        lag_by_partition = self._downstream_lag
+        shedding = self.stage.sheds_load and self.stage.backlog > self.settings.max_backlog
+        assigned = [tp for tp in self.app.consumer.assignment() if tp.topic == self.stage.input_topics[0]]
+        high, low = self.settings.downstream_lag_high, self.settings.downstream_lag_low
+        for tp in assigned:
+            # Keys are job ids and partition counts match, so input partition p feeds output
+            # partition p; with other counts, the worst partition decides.
+            lag = lag_by_partition.get(tp.partition, max(lag_by_partition.values(), default=0))
+            if shedding or lag <= low:
+                self.gate.hold_for_downstream([tp], full=False)
+            elif lag > high:
+                self.gate.hold_for_downstream([tp], full=True)
 
 
 def _registry() -> Any:

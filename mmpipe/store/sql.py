@@ -162,8 +162,8 @@ class SqlStore(ResultStore):
             )
             if cur.rowcount != 1:
                 self._check_part_conflict(cur, prediction)
-            # An expired part decides the job at once (no waiting for the other parts).
-            if prediction.status == "expired":
+            # An expired or rejected part decides the job at once (no waiting for the others).
+            if prediction.status in ("expired", "rejected"):
                 return self._finalize(cur, [prediction], assemble)
             cur.execute(self._q("SELECT body FROM parts WHERE job_id = ? ORDER BY part"), (prediction.job_id,))
             parts = [load_part(row[0]) for row in cur.fetchall()]

@@ -1,0 +1,177 @@
+"""The batcher's two limits, buckets and deadlines under a fake clock (BatchPolicy is pure),
+and the async DynamicBatcher's failure isolation with a real executor."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmpipe.settings import BatchingSettings
+from streams.batching import BatchPolicy, DynamicBatcher, Expired, ItemFailed, Pending
+
+
+def item(name: str, t: float, key: object = "a", deadline: float = 1e9) -> Pending:
+    return Pending(payload=name, key=key, arrived=t, deadline=deadline)
+
+
+def names(batch) -> list[str]:
+    return [p.payload for p in batch]
+
+
+def test_full_batch_flushes_at_once():
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.010)
+    for i in range(4):
+        policy.add(item(f"x{i}", t=0.0))
+    batch, trigger = policy.next_batch(now=0.0)
+    assert names(batch) == ["x0", "x1", "x2", "x3"] and trigger == "full"
+    assert policy.size == 0
+
+
+def test_lone_item_flushes_at_max_wait_of_the_oldest():
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.010)
+    policy.add(item("first", t=0.000))
+    policy.add(item("second", t=0.008))
+    assert policy.next_batch(now=0.0099) is None
+    assert policy.wake_at() == pytest.approx(0.010)  # measured from the oldest, not the newest
+    batch, trigger = policy.next_batch(now=0.010)
+    assert names(batch) == ["first", "second"] and trigger == "max_wait"
+
+
+def test_limits_are_independent_batch_size_caps_a_due_bucket():
+    policy = BatchPolicy(max_batch_size=3, max_wait_s=0.010)
+    for i in range(5):
+        policy.add(item(f"x{i}", t=0.0))
+    first, _ = policy.next_batch(now=0.0)
+    assert names(first) == ["x0", "x1", "x2"]
+    assert policy.next_batch(now=0.005) is None  # the rest waits for its own max wait
+    second, trigger = policy.next_batch(now=0.010)
+    assert names(second) == ["x3", "x4"] and trigger == "max_wait"
+
+
+def test_buckets_are_kept_apart_and_a_small_bucket_flushes_at_max_wait():
+    policy = BatchPolicy(max_batch_size=2, max_wait_s=0.010)
+    policy.add(item("short-1", 0.000, key=16))
+    policy.add(item("long-1", 0.001, key=128))
+    policy.add(item("short-2", 0.002, key=16))
+    batch, trigger = policy.next_batch(now=0.002)
+    assert names(batch) == ["short-1", "short-2"] and trigger == "full"
+    assert policy.next_batch(now=0.005) is None
+    batch, trigger = policy.next_batch(now=0.011)
+    assert names(batch) == ["long-1"] and trigger == "max_wait"
+
+
+def test_oldest_due_bucket_goes_first():
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.010)
+    policy.add(item("b", 0.002, key="B"))
+    policy.add(item("a", 0.001, key="A"))
+    batch, _ = policy.next_batch(now=0.020)
+    assert names(batch) == ["a"]
+
+
+def test_expired_items_are_removed_not_run():
+    policy = BatchPolicy(max_batch_size=8, max_wait_s=0.010)
+    policy.add(item("late", 0.0, deadline=0.005))
+    policy.add(item("fine", 0.0, deadline=1.0))
+    assert policy.wake_at() == pytest.approx(0.005)  # wakes for the deadline, before max wait
+    assert names(policy.pop_expired(now=0.006)) == ["late"]
+    batch, _ = policy.next_batch(now=0.010)
+    assert names(batch) == ["fine"]
+
+
+def test_static_mode_waits_for_full_batch_then_timeout():
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.010, mode="static", static_timeout_s=0.5)
+    policy.add(item("x", 0.0))
+    assert policy.next_batch(now=0.1) is None  # dynamic would have flushed at 10 ms
+    batch, trigger = policy.next_batch(now=0.5)
+    assert names(batch) == ["x"] and trigger == "timeout"
+
+
+def test_off_mode_runs_items_one_by_one():
+    policy = BatchPolicy.from_settings(BatchingSettings(mode="off", max_batch_size=16), model_limit=64)
+    for i in range(3):
+        policy.add(item(f"x{i}", 0.0))
+    assert [names(policy.next_batch(0.0)[0]) for _ in range(3)] == [["x0"], ["x1"], ["x2"]]
+
+
+def test_model_limit_caps_configured_batch_size():
+    policy = BatchPolicy.from_settings(BatchingSettings(max_batch_size=512), model_limit=64)
+    assert policy.max_batch_size == 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrivals=st.lists(st.tuples(st.floats(0, 1), st.sampled_from(["a", "b", "c"])), min_size=1, max_size=60),
+    max_batch=st.integers(1, 8),
+    max_wait=st.floats(0.001, 0.1),
+)
+def test_policy_never_loses_or_duplicates_and_respects_limits(arrivals, max_batch, max_wait):
+    """Driven by a fake clock over random arrivals: every item leaves exactly once, batches hold
+    one bucket, never exceed max_batch, and no item waits past max_wait (+ the step size)."""
+    policy = BatchPolicy(max_batch_size=max_batch, max_wait_s=max_wait)
+    pending = sorted((t, key, f"i{n}") for n, (t, key) in enumerate(arrivals))
+    out: list[str] = []
+    now, step = 0.0, 0.0005
+    while pending or policy.size:
+        while pending and pending[0][0] <= now:
+            t, key, name = pending.pop(0)
+            policy.add(Pending(name, key, t, 1e9))
+        while (ready := policy.next_batch(now)) is not None:
+            batch, _ = ready
+            assert 1 <= len(batch) <= max_batch and len({p.key for p in batch}) == 1
+            assert now - min(p.arrived for p in batch) <= max_wait + step + 1e-9
+            out.extend(p.payload for p in batch)
+        now += step
+    assert sorted(out) == sorted(f"i{n}" for n in range(len(arrivals)))
+
+
+async def test_poison_item_fails_alone_and_others_succeed():
+    calls: list[int] = []
+
+    def predict(batch):
+        calls.append(len(batch))
+        if "poison" in batch:
+            raise ValueError("cannot handle poison")
+        return [x.upper() for x in batch]
+
+    batcher = DynamicBatcher("m", predict, bucket_key=lambda _: 0, settings=BatchingSettings(max_batch_size=4, max_wait_ms=20),
+                             model_limit=64, executor=ThreadPoolExecutor(1))
+    batcher.start()
+    try:
+        results = await asyncio.gather(*(batcher.submit(x, deadline_wall=1e12) for x in ["a", "poison", "b"]),
+                                       return_exceptions=True)
+    finally:
+        await batcher.stop()
+    assert results[0][0] == "A" and results[2][0] == "B"
+    assert isinstance(results[1], ItemFailed) and "poison" in str(results[1])
+    assert calls[0] == 3 and sorted(calls[1:]) == [1, 1, 1]  # one batch, then each item alone once
+
+
+async def test_output_count_mismatch_is_a_failure_not_a_silent_misalignment():
+    batcher = DynamicBatcher("m", lambda batch: batch[:-1] if len(batch) > 1 else batch, bucket_key=lambda _: 0,
+                             settings=BatchingSettings(max_batch_size=2, max_wait_ms=50), model_limit=64,
+                             executor=ThreadPoolExecutor(1))
+    batcher.start()
+    try:
+        results = await asyncio.gather(*(batcher.submit(x, 1e12) for x in ["a", "b"]))
+    finally:
+        await batcher.stop()
+    # the 2-item batch returned 1 output: both items were re-run alone and answered correctly
+    assert [r[0] for r in results] == ["a", "b"] and all("isolated" in r[1].trigger for r in results)
+
+
+async def test_deadline_passing_in_the_queue_answers_expired():
+    import time
+
+    batcher = DynamicBatcher("m", lambda b: b, bucket_key=lambda _: 0,
+                             settings=BatchingSettings(mode="static", max_batch_size=8, static_timeout_ms=5000),
+                             model_limit=64, executor=ThreadPoolExecutor(1))
+    batcher.start()
+    try:
+        with pytest.raises(Expired):
+            await asyncio.wait_for(batcher.submit("x", deadline_wall=time.time() + 0.05), 2.0)
+    finally:
+        await batcher.stop()
