@@ -71,6 +71,8 @@ SCHEMA = [
         PRIMARY KEY (source_topic, source_partition, source_offset))""",
 ]
 
+SCHEMA_LOCK = "mmpipe schema"  # a lock key no job_id can equal (job ids have no spaces)
+
 STATE_COLUMN = {
     "accepted": "accepted_at",
     "decoding": "decoding_at",
@@ -88,14 +90,16 @@ class SqlStore(ResultStore):
     @abc.abstractmethod
     def _transaction(self, lock_key: str | None = None) -> contextlib.AbstractContextManager[Any]:
         """A write transaction (cursor-like object with execute/fetch); with lock_key, one that
-        excludes other writers finalising the same job."""
+        excludes other writers with the same key (finalising or advancing the same job)."""
 
     def _q(self, sql: str) -> str:
         return sql if self.placeholder == "?" else sql.replace("?", self.placeholder)
 
     # Schema -----------------------------------------------------------------------------
     def init_schema(self) -> None:
-        with self._transaction() as cur:
+        # Locked: sinks starting together would otherwise race on CREATE TABLE IF NOT EXISTS,
+        # which PostgreSQL does not make atomic (duplicate key in pg_type).
+        with self._transaction(lock_key=SCHEMA_LOCK) as cur:
             for statement in SCHEMA:
                 cur.execute(statement)
             cur.execute("CREATE INDEX IF NOT EXISTS dead_letters_job ON dead_letters (job_id)")
@@ -114,7 +118,9 @@ class SqlStore(ResultStore):
             return cur.rowcount == 1
 
     def record_status(self, job_id: str, state: str, at: float) -> None:
-        with self._transaction() as cur:
+        # Locked like finalisation: _advance reads the state, then writes it, and two writers
+        # interleaving there (PostgreSQL READ COMMITTED) could move the job backwards.
+        with self._transaction(lock_key=job_id) as cur:
             self._advance(cur, job_id, state, at)
 
     def _advance(self, cur: Any, job_id: str, state: str, at: float, **fields: Any) -> None:
