@@ -51,7 +51,7 @@ from mmpipe.inputs import InputError, resolve_local_uri
 from mmpipe.settings import Settings, load_settings
 from mmpipe.store import JobRecord, StoreUnavailable
 from mmpipe.store.base import TERMINAL_STATE
-from models.base import UnknownModel, WrongModality
+from models.base import ModelSpec, UnknownModel, WrongModality
 from models.registry import all_specs, resolve
 from schemas import JobResult, MediaEvent
 from schemas.events import JOB_ID_PATTERN
@@ -342,8 +342,8 @@ async def _read_form(request: Request, model: type[JobRequest], settings: Settin
 async def build_event(job: JobRequest, upload: Upload | None, settings: Settings) -> tuple[MediaEvent, str]:
     """The event to publish and the label of the model that will serve it; ApiError if invalid."""
     modality = _modality(job, upload)
+    spec = _model_spec(job.model, modality, settings)  # before the payload: no file looked at for a bad job
     payload = await _payload(job, upload, modality, settings)
-    spec = _model_spec(job.model, modality, settings)
     try:
         event = make_event(
             modality, job_id=job.job_id, model=spec.ref if job.model else None, deadline_s=job.deadline_s, **payload
@@ -410,7 +410,7 @@ async def _checked_uri(uri: str, settings: Settings) -> str:
         raise ApiError(status, code, exc.detail) from None
 
 
-def _model_spec(text: str | None, modality: str, settings: Settings) -> Any:
+def _model_spec(text: str | None, modality: str, settings: Settings) -> ModelSpec:
     try:
         ref = parse_model(text)
     except ValueError:
@@ -590,8 +590,8 @@ def jobs_router(runtime: ApiRuntime) -> APIRouter:
         async with runtime.sync_slot():
             job, upload = await read_job_request(request, PredictRequest, settings)
             event, model = await build_event(job, upload, settings)
-            wait_s = min(timeout_s or getattr(job, "timeout_s", None) or settings.api_predict_timeout_s,
-                         settings.api_predict_max_timeout_s)
+            asked_s = timeout_s or (job.timeout_s if isinstance(job, PredictRequest) else None)
+            wait_s = min(asked_s or settings.api_predict_timeout_s, settings.api_predict_max_timeout_s)
             result = await _run_and_wait(runtime, event, model, started + wait_s)
         if result is None:
             return await _still_running(runtime, request, event.job_id, wait_s)
