@@ -180,7 +180,10 @@ async def test_predict_an_image_upload_inline_and_by_uri(api_settings, picture):
         assert result["status"] == "ok" and result["modality"] == "image"
         assert len(result["prediction"]["labels"]) == 5
         predictions.append(result["prediction"])
-    assert predictions[0] == predictions[1] == predictions[2]  # same bytes, same model process
+    # Same bytes, same model process: the same top-5 (probabilities up to float noise).
+    for other in predictions[1:]:
+        assert [label["index"] for label in other["labels"]] == [label["index"] for label in predictions[0]["labels"]]
+        assert [label["p"] for label in other["labels"]] == pytest.approx([label["p"] for label in predictions[0]["labels"]], abs=1e-4)
 
 
 async def test_predict_that_times_out_returns_the_job_to_poll(api_settings):
@@ -210,7 +213,7 @@ async def test_same_job_id_twice_is_one_job_published_once(api_settings):
     assert predicted.status_code == 200, predicted.text
     assert predicted.json()["result"] == done["result"]
     # The job is the first submission: its embedding is that of "the first text".
-    assert done["result"]["prediction"] == expected.json()["result"]["prediction"]
+    assert done["result"]["prediction"]["embedding"] == pytest.approx(expected.json()["result"]["prediction"]["embedding"], abs=1e-5)
     assert await events_published(api_settings, job_id) == 1
 
 
@@ -379,6 +382,7 @@ async def test_sync_waiters_are_bounded(api_settings, tmp_path):
         body = {"modality": "text", "text": "nobody will answer"}
         waiting = asyncio.create_task(client.post("/v1/predict", params={"timeout_s": 3}, json=body))
         while app.state.runtime.listener.waiting < 1:
+            assert not waiting.done(), waiting.result().text
             await asyncio.sleep(0.01)
         refused = await client.post("/v1/predict", json=body)
         assert_error(refused, 503, "too_many_waiters", "already waiting")
