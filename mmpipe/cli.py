@@ -200,6 +200,24 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
+@app.command()
+def api(
+    host: str = typer.Option("127.0.0.1", help="address to listen on (loopback by default)"),
+    port: int = typer.Option(8080, help="TCP port"),
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Serve the HTTP job API (POST /v1/jobs, GET /v1/jobs/ID, POST /v1/predict, /healthz, /readyz)."""
+    import uvicorn
+
+    from mmpipe.api import create_app
+
+    settings = _settings(bootstrap)
+    if not settings.api_token and host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning: no MMPIPE_API_TOKEN set: anyone who reaches {host}:{port} can submit jobs[/]")
+    level = settings.log_level.lower()
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning" if level == "warn" else level)
+
+
 def _wait_for_signal() -> None:
     stop = {"flag": False}
 

@@ -44,9 +44,9 @@ def resolve_local_uri(uri: str, settings: Settings) -> Path:
     if "\x00" in raw_path:
         raise InputError("bad_uri", "path contains a NUL byte")
     try:
-        real = Path(raw_path).resolve(strict=True)
-    except (FileNotFoundError, NotADirectoryError):
-        raise InputError("file_not_found", f"no such file: {raw_path}") from None
+        # Not strict: the root check comes before any existence check, so a path outside the
+        # roots gets the same answer whether or not it exists (no probing of the host's files).
+        real = Path(raw_path).resolve()
     except (OSError, RuntimeError) as exc:  # symlink loops, permissions
         raise InputError("bad_uri", f"cannot resolve {raw_path}: {exc}") from None
     roots = [root.resolve() for root in settings.input_roots]
@@ -55,6 +55,8 @@ def resolve_local_uri(uri: str, settings: Settings) -> Path:
             "uri_outside_input_roots",
             f"{raw_path} resolves outside the allowed input roots ({', '.join(map(str, roots))})",
         )
+    if not real.exists():
+        raise InputError("file_not_found", f"no such file: {raw_path}")
     if not real.is_file():
         raise InputError("bad_uri", f"{raw_path} is not a regular file")
     check_size(real.stat().st_size, settings, f"file {raw_path}")

@@ -130,8 +130,13 @@ class Settings(BaseSettings):
     log_level: str = "warn"
 
     # --- Job API --------------------------------------------------------------------------
-    api_token: str | None = None
-    api_max_upload_bytes: int = 16 * 1024 * 1024
+    api_token: str | None = None  # None or empty: no auth (the `api` command warns off loopback)
+    api_max_upload_bytes: int = Field(16 * 1024 * 1024, ge=1)
+    # Sync /v1/predict: the wait when a request names none, the most a request may ask for,
+    # and how many requests may wait at once (beyond it: 503 + Retry-After, use /v1/jobs).
+    api_predict_timeout_s: float = Field(10.0, gt=0)
+    api_predict_max_timeout_s: float = Field(60.0, gt=0)
+    api_max_sync_waiters: int = Field(256, ge=1)
 
     @field_validator("input_roots", mode="before")
     @classmethod
