@@ -179,12 +179,27 @@ def results(
 
 
 @app.command()
-def lag(bootstrap: BootstrapOpt = None) -> None:
-    """Consumer lag per stage group and partition (like kafka-consumer-groups --describe)."""
-    from mmpipe.report import lag_table
+def lag(
+    bootstrap: BootstrapOpt = None,
+    window: float = typer.Option(3.0, help="seconds between the two offset samples that give arrival rates (0: lag table only)"),
+    metrics: Annotated[Optional[list[str]], typer.Option(
+        "--metrics", help="a stage's metrics URL, repeatable; a host name with several addresses counts as every replica "
+        "(default: the ports `up` gives stages on 127.0.0.1)",
+    )] = None,
+    metrics_base_port: int = typer.Option(9100, help="`up`'s metrics base port, probed when no --metrics (0: don't)"),
+    target_utilisation: float = typer.Option(0.7, min=0.05, max=1.0, help="busy fraction per replica the hint aims for"),
+) -> None:
+    """Consumer lag per stage group and partition (like kafka-consumer-groups --describe), and per
+    stage the arrival rate, service time and the replicas needed to keep up."""
+    from mmpipe.report import capacity_report, capacity_table, lag_table, partition_lag_table
 
     settings = _settings(bootstrap)
-    console.print(asyncio.run(lag_table(settings)))
+    if window <= 0:
+        console.print(asyncio.run(lag_table(settings)))
+        return
+    report = asyncio.run(capacity_report(settings, window, metrics, metrics_base_port, target_utilisation))
+    console.print(capacity_table(report))
+    console.print(partition_lag_table(report.partitions, settings.bootstrap))
 
 
 @app.command()

@@ -146,6 +146,7 @@ class LagReader:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._consumers: dict[str, AIOKafkaConsumer] = {}
+        self._admin: AIOKafkaAdminClient | None = None
 
     async def _consumer(self, group: str) -> AIOKafkaConsumer:
         if group not in self._consumers:
@@ -172,10 +173,31 @@ class LagReader:
             rows.append(PartitionLag(group, tp.topic, tp.partition, ends[tp], committed))
         return rows
 
+    async def group_members(self, group: str) -> int | None:
+        """Members of the group now (one per stage process); None if the broker won't say."""
+        try:
+            if self._admin is None:
+                admin = AIOKafkaAdminClient(**client_kwargs(self.settings))
+                await admin.start()
+                self._admin = admin
+            responses = await self._admin.describe_consumer_groups([group])
+        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            log.info("describing group %s failed: %s", group, exc)
+            return None
+        for response in responses:
+            for error_code, group_name, _state, _protocol_type, _protocol, members, *_ in response.groups:
+                if group_name == group:
+                    # A group nobody has joined is reported "Dead" with no members: 0 is right.
+                    return len(members) if error_code == 0 else None
+        return None
+
     async def close(self) -> None:
         for consumer in self._consumers.values():
             await consumer.stop()
         self._consumers.clear()
+        if self._admin is not None:
+            await self._admin.close()
+            self._admin = None
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
