@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -286,9 +287,12 @@ def test_record_result_for_a_dead_lettered_job(store: ResultStore) -> None:
 
 
 def test_rejected_job_ends_rejected(store: ResultStore) -> None:
+    """Admission control answers a job with one "rejected" part; it decides the job at once."""
     job_id = new_job_id()
-    final = store.record_result(failed_result(dead_letter(job_id, reason="rejected_overload"), T0 + 3))
-    assert final.result.status == "rejected"
+    rejected = msgspec.structs.replace(expired_part(job_id, 0, 1), status="rejected", error="overloaded")
+    final = store.record_part(rejected, assemble)
+    assert final.created and final.result.status == "rejected"
+    assert final.result.error["code"] == "overloaded"
     assert store.get_job(job_id).state == "rejected"
 
 
