@@ -233,6 +233,36 @@ def api(
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning" if level == "warn" else level)
 
 
+@app.command()
+def chaos(
+    jobs: int = typer.Option(2000, help="good jobs to publish (texts, images, speech snippets)"),
+    bad: int = typer.Option(100, help="bad inputs interleaved (malformed, corrupt, unknown model, outside roots)"),
+    rate: float = typer.Option(60.0, help="publish rate, jobs/s"),
+    out: Path = typer.Option(Path("var/reports/chaos.json"), help="where to write the JSON report"),
+) -> None:
+    """Fault run on the embedded broker: SIGKILL every stage in turn mid-run, scale inference
+    out and in, then count results in the store and on the results topic (lost, duplicated)."""
+    from mmpipe.chaos import run_chaos
+
+    settings = _settings(allow_random_weights=True, bootstrap="127.0.0.1:0", store_url="sqlite:///var/chaos/results.db",
+                         inject_execute_delay_ms=5.0)
+    Path("var/chaos/results.db").unlink(missing_ok=True)
+    with console.status(f"fault run: {jobs} jobs + {bad} bad inputs at {rate}/s, killing every stage in turn..."):
+        report = run_chaos(settings, Path("var/chaos"), jobs, bad, rate)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(report.to_json())
+    table = Table(title="fault run")
+    for col in ("jobs", "bad inputs", "kills survived", "rebalances", "results stored", "lost", "duplicated",
+                "topic records", "duration s"):
+        table.add_column(col, justify="right")
+    table.add_row(str(report.jobs), str(report.bad_inputs), str(len(report.kills)), str(len(report.rebalances)),
+                  str(report.stored_results), str(report.lost), str(report.duplicated), str(report.topic_records),
+                  str(report.duration_s))
+    console.print(table)
+    console.print(f"statuses: {report.statuses}; bad-input reasons: {report.bad_input_reasons}; report: {out}")
+    raise typer.Exit(0 if report.lost == 0 and report.duplicated == 0 else 1)
+
+
 def _wait_for_signal() -> None:
     stop = {"flag": False}
 

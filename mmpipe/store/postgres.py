@@ -60,7 +60,7 @@ class PostgresStore(SqlStore):
         return conn
 
     @contextlib.contextmanager
-    def _transaction(self, lock_key: str | None = None) -> Iterator[Any]:
+    def _transaction(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
         conn = None
         try:
             conn = self._connection()

@@ -247,12 +247,12 @@ class SqlStore(ResultStore):
 
     # Reads ------------------------------------------------------------------------------
     def get_result(self, job_id: str) -> JobResult | None:
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             stored = self._stored_result(cur, job_id)
         return None if stored is None else stored[0]
 
     def get_job(self, job_id: str) -> JobRecord | None:
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             cur.execute(
                 self._q(
                     "SELECT job_id, state, modality, model, created_at, updated_at, accepted_at, decoding_at,"
@@ -269,26 +269,26 @@ class SqlStore(ResultStore):
 
     def counts(self) -> dict[str, int]:
         counts = {}
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             for table in ("jobs", "parts", "results", "conflicts", "dead_letters"):
                 cur.execute(f"SELECT COUNT(*) FROM {table}")
                 counts[table] = int(cur.fetchone()[0])
         return counts
 
     def iter_results(self) -> Iterator[JobResult]:
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             cur.execute("SELECT body FROM results ORDER BY completed_at")
             rows = cur.fetchall()
         for (body,) in rows:
             yield load_result(body)
 
     def conflicts(self) -> list[dict[str, Any]]:
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             cur.execute("SELECT job_id, kind, existing, incoming, at FROM conflicts ORDER BY at")
             return [dict(zip(("job_id", "kind", "existing", "incoming", "at"), row)) for row in cur.fetchall()]
 
     def dead_letters(self, job_id: str | None = None) -> list[dict[str, Any]]:
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             sql = "SELECT job_id, stage, reason, detail, failed_at FROM dead_letters"
             if job_id is None:
                 cur.execute(sql + " ORDER BY failed_at")

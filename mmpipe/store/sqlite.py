@@ -45,11 +45,13 @@ class SqliteStore(SqlStore):
         return conn
 
     @contextlib.contextmanager
-    def _transaction(self, lock_key: str | None = None) -> Iterator[Any]:
+    def _transaction(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
         try:
             conn = self._connection()
             cur = conn.cursor()
-            cur.execute("BEGIN IMMEDIATE")
+            # Writers take the write lock up front (no upgrade deadlocks); in WAL mode readers
+            # need no lock at all and see the last committed state.
+            cur.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         except sqlite3.OperationalError as exc:
             self._drop_connection()
             raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc

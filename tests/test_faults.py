@@ -1,0 +1,112 @@
+"""Nothing lost, nothing doubled: real stage processes SIGKILLed mid-run, a consumer added to a
+group mid-run and removed again, and the sink's database locked for a while.
+
+The counts are checked in the store (one row per job) and on the results topic (every job
+present, exactly one distinct result per job_id, however often it was re-published)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from mmpipe.chaos import ChaosRun, bad_workload, kill_every_stage_plan, workload
+from mmpipe.settings import BatchingSettings
+from mmpipe.store import open_store
+from mmpipe.store.sqlite import sqlite_path
+from mmpipe.supervisor import Pipeline
+from tests.conftest import make_settings
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+
+def fault_pipeline(broker, workdir, media_dir, **overrides) -> Pipeline:
+    settings = make_settings(
+        broker.bootstrap, workdir, media_dir,
+        default_batching=BatchingSettings(max_batch_size=8, max_wait_ms=10),
+        # A little model time per batch keeps batches in flight when the kill lands.
+        inject_execute_delay_ms=15,
+        **overrides,
+    )
+    return Pipeline(settings, workdir=workdir, embedded_broker=False)
+
+
+def assert_exactly_once(report) -> None:
+    assert report.missing == [], f"lost in the store: {report.missing[:10]}"
+    assert report.missing_on_topic == [], f"lost on the topic: {report.missing_on_topic[:10]}"
+    assert report.jobs_with_conflicting_results == [], report.jobs_with_conflicting_results[:10]
+    assert report.stored_results == report.jobs + report.bad_inputs  # primary key: one row each
+    assert report.topic_jobs == report.jobs + report.bad_inputs
+
+
+def test_sigkill_of_every_stage_mid_run_loses_and_doubles_nothing(broker, tmp_path, media_dir):
+    pipeline = fault_pipeline(broker, tmp_path, media_dir)
+    pipeline.start()
+    try:
+        run = ChaosRun(pipeline, workload(160, seed=1), bad_workload(12), rate=40)
+        report = run.run(kill_every_stage_plan(run))
+    finally:
+        pipeline.stop()
+    assert report.kills == ["decode-0", "preprocess-0", "inference-0", "sink-0"]
+    assert_exactly_once(report)
+    assert report.statuses == {"ok": report.jobs}
+    assert set(report.bad_input_reasons) == {"malformed_json", "undecodable_media", "unknown_model",
+                                             "uri_outside_input_roots"}
+
+
+def test_consumers_joining_and_leaving_mid_run_lose_and_double_nothing(broker, tmp_path, media_dir):
+    pipeline = fault_pipeline(broker, tmp_path, media_dir, partitions=4)
+    pipeline.start()
+    try:
+        run = ChaosRun(pipeline, workload(160, seed=2), [], rate=40)
+        report = run.run([
+            (0.2, lambda: run.add_consumer("inference", 1)),
+            (0.35, lambda: run.add_consumer("decode", 1)),
+            (0.55, lambda: run.remove_consumer("inference", 1)),
+            (0.7, lambda: run.remove_consumer("decode", 1)),
+        ])
+    finally:
+        pipeline.stop()
+    assert report.rebalances == ["+inference-1", "+decode-1", "-inference-1", "-decode-1"]
+    assert_exactly_once(report)
+    assert report.statuses == {"ok": report.jobs}
+
+
+def test_locked_database_delays_results_but_loses_none(broker, tmp_path, media_dir):
+    pipeline = fault_pipeline(broker, tmp_path, media_dir, retry_backoff_max_s=1.0)
+    pipeline.start()
+    lock_seconds = 8.0
+    try:
+        run = ChaosRun(pipeline, workload(60, seed=3), [], rate=20)
+        held = threading.Event()
+        counts_during_lock: list[int] = []
+        path = sqlite_path(pipeline.settings.store_url)
+
+        def lock_database() -> None:
+            conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+            conn.execute("BEGIN EXCLUSIVE")  # no other writer until we let go
+            held.set()
+            counts_during_lock.append(_count_results(path))
+            time.sleep(lock_seconds)
+            counts_during_lock.append(_count_results(path))  # WAL readers still see the table
+            conn.execute("ROLLBACK")
+            conn.close()
+
+        locker = threading.Thread(target=lock_database)
+        report = run.run([(0.2, lambda: (locker.start(), held.wait()))])
+        locker.join()
+    finally:
+        pipeline.stop()
+    first, last = counts_during_lock
+    assert first == last < report.jobs  # no result was written while the store was locked
+    assert_exactly_once(report)
+    assert report.statuses == {"ok": report.jobs}
+    store = open_store(pipeline.settings.store_url)
+    assert store.dead_letters() == []  # waiting for the store is not a reason to fail a job
+
+
+def _count_results(path: str) -> int:
+    with sqlite3.connect(path, timeout=30) as conn:
+        return conn.execute("SELECT COUNT(*) FROM results").fetchone()[0]

@@ -1,0 +1,143 @@
+"""Random bytes into the event decoder, the media decoders and the decode stage itself: every
+input either decodes or is refused with a reason; nothing else ever escapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mmpipe import samples
+from mmpipe.media import DecodeLimits, MediaError, decode_audio, decode_image, decode_video
+from mmpipe.settings import Settings
+from schemas import BadMessage, MediaEvent, decode_event, decode_work_item
+from stages.decode import DecodeStage
+from streams.metrics import StageMetrics
+from streams.stage import Incoming, Outgoing
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LIMITS = DecodeLimits(video_max_frames=2, audio_max_seconds=5)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+event_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "job_id": st.one_of(st.text(max_size=20), st.integers(-(2**63), 2**63 - 1), st.none()),
+        "modality": st.sampled_from(["image", "audio", "video", "text", "smell", "", 3]),
+        "payload": st.one_of(json_values, st.fixed_dictionaries({}, optional={
+            "text": st.text(max_size=10), "uri": st.text(max_size=10), "data": st.text(max_size=12)})),
+        "schema_version": st.one_of(st.just(1), st.integers(-2, 5), st.text(max_size=3)),
+        "created_at": st.one_of(st.floats(allow_nan=False), st.text(max_size=3)),
+        "deadline": st.one_of(st.none(), st.floats(allow_nan=False)),
+        "model": json_values,
+    },
+)
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_event_decoder_random_bytes(raw):
+    try:
+        assert isinstance(decode_event(raw), MediaEvent)
+    except BadMessage as exc:
+        assert exc.reason and exc.detail
+
+
+@FUZZ
+@given(event_like)
+def test_event_decoder_random_structures(value):
+    try:
+        assert isinstance(decode_event(orjson.dumps(value)), MediaEvent)
+    except BadMessage as exc:
+        assert exc.reason in {"malformed_event", "unknown_modality", "unsupported_schema_version", "malformed_json"}
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_work_item_decoder_random_bytes(raw):
+    for data in (raw, b"MMW1" + raw):
+        try:
+            decode_work_item(data)
+        except BadMessage as exc:
+            assert exc.reason == "malformed_item"
+
+
+@pytest.fixture(scope="module")
+def real_media() -> dict[str, bytes]:
+    return {
+        "image": samples.encode_image(samples.synthetic_picture(64, 48)),
+        "audio": samples.encode_audio(samples.tone_pcm(0.5), fmt="flac"),
+        "video": samples.encode_video(seconds=1.0, width=64, height=48, fps=10, audio=samples.tone_pcm(1.0)),
+    }
+
+
+DECODERS = {"image": decode_image, "audio": decode_audio, "video": decode_video}
+
+
+@pytest.mark.parametrize("kind", DECODERS)
+def test_media_decoders_random_and_mutated_bytes(kind, real_media):
+    """Random bytes, and real files with random byte flips / truncations (the hard case)."""
+
+    @FUZZ
+    @given(st.binary(max_size=2000) | _mutations(real_media[kind]))
+    def check(data):
+        try:
+            DECODERS[kind](data, LIMITS)
+        except MediaError as exc:
+            assert exc.reason in {"undecodable_media", "empty_payload", "image_too_large", "audio_too_long"}
+
+    check()
+
+
+def _mutations(original: bytes):
+    flips = st.lists(st.tuples(st.integers(0, len(original) - 1), st.integers(0, 255)), min_size=1, max_size=20)
+    return st.one_of(
+        flips.map(lambda changes: _flip(original, changes)),
+        st.integers(0, len(original)).map(lambda n: original[:n]),
+    )
+
+
+def _flip(data: bytes, changes: list[tuple[int, int]]) -> bytes:
+    out = bytearray(data)
+    for position, value in changes:
+        out[position] = value
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def decode_stage(tmp_path_factory) -> DecodeStage:
+    settings = Settings(input_roots=[tmp_path_factory.mktemp("roots")], max_payload_bytes=100_000,
+                        video_max_frames=2, audio_max_seconds=5)
+    stage = DecodeStage(settings, StageMetrics("decode-fuzz", registry=_registry()))
+    stage.setup()
+    return stage
+
+
+def _registry():
+    from prometheus_client import CollectorRegistry
+
+    return CollectorRegistry()
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=300), event_like.map(orjson.dumps), st.builds(
+    lambda modality, data: orjson.dumps({"job_id": "fuzz-1", "modality": modality, "schema_version": 1,
+                                         "created_at": time.time(), "payload": {"data": data}}),
+    st.sampled_from(["image", "audio", "video"]),
+    st.binary(max_size=600).map(lambda b: __import__("base64").b64encode(b).decode()),
+)))
+def test_decode_stage_answers_or_refuses_every_input(decode_stage, raw):
+    message = Incoming("t.events", 0, 1, b"fuzz-1", raw, time.time(), time.time())
+    try:
+        out = asyncio.run(decode_stage.handle(message))
+        assert out and all(isinstance(o, Outgoing) for o in out)
+    except BadMessage as exc:
+        assert exc.reason and exc.detail
