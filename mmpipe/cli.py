@@ -263,6 +263,33 @@ def chaos(
     raise typer.Exit(0 if report.lost == 0 and report.duplicated == 0 else 1)
 
 
+@app.command()
+def overload(
+    seconds: float = typer.Option(60.0, help="how long to send 10x the sustainable rate"),
+    service_ms: float = typer.Option(100.0, help="model time per item (injected): sustainable rate = 1000/service_ms"),
+    factor: float = typer.Option(10.0, help="arrival rate as a multiple of the sustainable rate"),
+    deadline_s: float = typer.Option(5.0, help="each job's deadline"),
+    out: Path = typer.Option(Path("var/reports/overload.json"), help="where to write the JSON report"),
+) -> None:
+    """Overload run on the embedded broker: peak RSS per stage, p99 of admitted jobs against
+    their deadline, how much admission control rejected, time back to zero lag."""
+    from mmpipe.overload import OVERLOAD_OVERRIDES, overload_settings, run_overload
+    from mmpipe.supervisor import Pipeline
+
+    Path("var/overload/results.db").unlink(missing_ok=True)
+    base = _settings(bootstrap="127.0.0.1:0", store_url="sqlite:///var/overload/results.db", torch_threads=1)
+    settings = overload_settings(base, service_ms)
+    with console.status(f"{factor:.0f}x the sustainable rate for {seconds:.0f}s..."):
+        with Pipeline(settings, workdir=Path("var/overload"), replica_overrides=OVERLOAD_OVERRIDES) as pipeline:
+            report = run_overload(pipeline, 1000 / service_ms, factor, seconds, deadline_s)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(report.to_json())
+    console.print_json(report.to_json().decode())
+    ok = (report.admitted_p99_ms <= deadline_s * 1000 and report.recovered_s is not None
+          and all(mb * 2**20 <= settings.memory_budget_bytes for mb in report.peak_rss_mb.values()))
+    raise typer.Exit(0 if ok else 1)
+
+
 def _wait_for_signal() -> None:
     stop = {"flag": False}
 

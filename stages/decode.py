@@ -54,11 +54,11 @@ class DecodeStage(Stage):
         self.backlog = max(self.backlog - 1, 0)
         if time.time() > deadline:
             return [self._answer(event, "expired", started, f"deadline {deadline:.3f} passed before decode")]
-        if self.sheds_load and self.backlog > self.settings.max_backlog:
-            detail = (f"overloaded: {self.backlog} jobs wait for decode (max_backlog "
-                      f"{self.settings.max_backlog}); retry later")
-            return [self._answer(event, "rejected", started, detail)]
         frame_spec = self._resolve(event)
+        if not await self.wait_for_room(message):
+            detail = (f"overloaded: {self.backlog} jobs wait for decode (max_backlog "
+                      f"{self.settings.max_backlog}) and the next stage is full; retry later")
+            return [self._answer(event, "rejected", started, detail)]
         payload = await self._read(event)
         media = await asyncio.get_running_loop().run_in_executor(
             self._pool, self._decode, event, payload, frame_spec

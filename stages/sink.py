@@ -26,7 +26,8 @@ from schemas import (
 )
 from streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage
 
-MERGE_GAP_S = 0.05  # speech segments split only by an audio window boundary are joined
+MERGE_GAP_S = 0.05
+GROUP_COMMIT_MAX = 256  # store calls per transaction  # speech segments split only by an audio window boundary are joined
 
 
 class SinkStage(Stage):
@@ -37,9 +38,11 @@ class SinkStage(Stage):
         self._db = ThreadPoolExecutor(1, thread_name_prefix="store")
         self.store: ResultStore = open_store(self.settings.store_url)
         self.store.init_schema()
+        self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
 
     async def stop(self) -> None:
-        await self._call(self.store.close)
+        await asyncio.get_running_loop().run_in_executor(self._db, self.store.close)
         self._db.shutdown(wait=True)
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
@@ -74,10 +77,32 @@ class SinkStage(Stage):
         return await self._call(self.store.record_result, failed_result(letter, sink_in))
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
-        except StoreUnavailable as exc:
-            raise DependencyUnavailable(str(exc)) from exc
+        """Queue a store call for the next group commit and wait for its own outcome."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, args, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        outcome = await future
+        if isinstance(outcome, StoreUnavailable):
+            raise DependencyUnavailable(str(outcome)) from outcome
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _flush(self) -> None:
+        """Group commit: the calls that queued while the previous transaction ran share the
+        next one. At light load a call runs alone at once; under load one commit serves many."""
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            group, self._pending = self._pending[:GROUP_COMMIT_MAX], self._pending[GROUP_COMMIT_MAX:]
+            calls = [(fn, args) for fn, args, _ in group]
+            try:
+                outcomes = await loop.run_in_executor(self._db, self.store.run_group, calls)
+            except StoreUnavailable as exc:
+                outcomes = [exc] * len(group)
+            for (_, _, future), outcome in zip(group, outcomes):
+                if not future.done():
+                    future.set_result(outcome)
 
 
 # Assembly: parts -> one result ----------------------------------------------------------------

@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -39,6 +40,7 @@ from streams.topics import TopicNames
 log = logging.getLogger(__name__)
 
 EXCERPT_BYTES = 512
+ADMISSION_POLL_S = 0.005
 
 
 class TransientError(Exception):
@@ -88,6 +90,11 @@ class Stage(abc.ABC):
         self.metrics = metrics
         self.topics = TopicNames(settings.topic_prefix)
         self.backlog = 0  # this group's lag, refreshed by the runtime, decremented per message
+
+    async def wait_for_room(self, message: Incoming) -> bool:
+        """Admission: wait until the next stage has room for this message's work (True), or
+        give up at once when shedding load (False). The runtime supplies the live version."""
+        return True
 
     @property
     def input_topics(self) -> list[str]:
@@ -233,6 +240,9 @@ class StageRuntime:
         self.app.on_before_shutdown.connect(self._on_shutdown)
         self._lag_reader: LagReader | None = None
         self._downstream_lag: dict[int, int] = {}  # per output partition, see _count_downstream
+        self._admitting: Counter[int] = Counter()  # admitted messages whose output is not sent yet
+        self._reserved: set[tuple[int, int]] = set()  # (partition, offset) of those messages
+        stage.wait_for_room = self._wait_for_room  # type: ignore[method-assign]
         self._started = asyncio.Event()
 
     # Lifecycle --------------------------------------------------------------------------
@@ -295,7 +305,10 @@ class StageRuntime:
             await self._after_send(outgoing)
             event.ack()
         finally:
+            self._release_reservation(message)
             self.gate.release(tp)
+            if self._downstream_lag:
+                self._hold_or_release_for_downstream()  # the backlog estimate moved
 
     async def _handle(self, message: Incoming) -> list[Outgoing]:
         attempt = 0
@@ -392,6 +405,30 @@ class StageRuntime:
             self._downstream_lag[partition] = self._downstream_lag.get(partition, 0) + 1
         if added:
             self._hold_or_release_for_downstream()
+
+    def _downstream_lag_of(self, partition: int) -> int:
+        lag = self._downstream_lag.get(partition, max(self._downstream_lag.values(), default=0))
+        return lag + self._admitting[partition]
+
+    async def _wait_for_room(self, message: Incoming) -> bool:
+        """Exact admission at the head of the pipeline: a message goes on only while the next
+        stage's estimated backlog (last read-out + sent since + admitted, not yet sent) is under
+        the bound. Otherwise it waits; under `reject` it is turned away once more than
+        max_backlog jobs wait in front of this stage."""
+        partition = message.partition
+        while self._downstream_lag_of(partition) >= self.settings.downstream_lag_high:
+            if self.stage.sheds_load and self.stage.backlog > self.settings.max_backlog:
+                return False
+            await asyncio.sleep(ADMISSION_POLL_S)
+        self._admitting[partition] += 1
+        self._reserved.add((partition, message.offset))
+        return True
+
+    def _release_reservation(self, message: Incoming) -> None:
+        key = (message.partition, message.offset)
+        if key in self._reserved:
+            self._reserved.discard(key)
+            self._admitting[message.partition] -= 1
 
     def _hold_or_release_for_downstream(self) -> None:
         lag_by_partition = self._downstream_lag

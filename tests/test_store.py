@@ -296,6 +296,28 @@ def test_rejected_job_ends_rejected(store: ResultStore) -> None:
     assert store.get_job(job_id).state == "rejected"
 
 
+def test_group_commit_stores_all_and_isolates_a_failing_call(store: ResultStore) -> None:
+    jobs = [new_job_id() for _ in range(3)]
+
+    def broken() -> None:
+        raise ValueError("a bug in one call")
+
+    outcomes = store.run_group([
+        (store.record_part, (image(jobs[0]), assemble)),
+        (broken, ()),
+        (store.record_part, (image(jobs[1]), assemble)),
+        (store.accept_job, (jobs[2], "text", None, T0)),
+    ])
+    assert outcomes[0].created and outcomes[2].created and outcomes[3] is True
+    assert isinstance(outcomes[1], ValueError)
+    assert store.get_result(jobs[0]) is not None and store.get_result(jobs[1]) is not None
+    assert store.get_job(jobs[2]).state == "accepted"
+    # The same parts again in a group: stored results come back, nothing is added.
+    again = store.run_group([(store.record_part, (image(j), assemble)) for j in jobs[:2]])
+    assert [o.created for o in again] == [False, False]
+    assert store.counts()["results"] == 2
+
+
 def test_dead_letters_are_idempotent_per_source_message(store: ResultStore) -> None:
     job_id = new_job_id()
     assert store.record_dead_letter(dead_letter(job_id, offset=7)) is True

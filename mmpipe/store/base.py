@@ -91,6 +91,11 @@ class ResultStore(abc.ABC):
     def mark_published(self, job_id: str) -> None: ...
 
     @abc.abstractmethod
+    def run_group(self, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+        """Run several of the calls above in one transaction (group commit); returns each
+        call's result or the exception it raised; raises StoreUnavailable for the group."""
+
+    @abc.abstractmethod
     def get_result(self, job_id: str) -> JobResult | None: ...
 
     @abc.abstractmethod

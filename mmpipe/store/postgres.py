@@ -60,7 +60,7 @@ class PostgresStore(SqlStore):
         return conn
 
     @contextlib.contextmanager
-    def _transaction(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
+    def _begin(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
         conn = None
         try:
             conn = self._connection()
@@ -71,7 +71,7 @@ class PostgresStore(SqlStore):
             cur.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             if lock_key is not None:
                 # Waits for whoever holds the key; released by COMMIT/ROLLBACK, never leaked.
-                cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (lock_key,))
+                self._lock(cur, lock_key)
             yield cur
             cur.execute("COMMIT")
         except TRANSIENT_ERRORS as exc:
@@ -105,6 +105,9 @@ class PostgresStore(SqlStore):
             self._all.discard(conn)
         if getattr(self._local, "conn", None) is conn:
             self._local.conn = None
+
+    def _lock(self, cur: Any, key: str) -> None:
+        cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
 
     def close(self) -> None:
         with self._all_lock:

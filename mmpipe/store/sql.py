@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mmpipe.store.base import (
@@ -16,6 +17,7 @@ from mmpipe.store.base import (
     Final,
     JobRecord,
     ResultStore,
+    StoreUnavailable,
     load_part,
     load_result,
     model_label,
@@ -81,6 +83,15 @@ STATE_COLUMN = {
 }
 
 
+def _outcome(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    try:
+        return fn(*args)
+    except StoreUnavailable:
+        raise
+    except Exception as exc:  # returned, not raised: the caller of this one call sees it
+        return exc
+
+
 class SqlStore(ResultStore):
     """Portable SQL; `?` placeholders are rewritten by backends that use another style."""
 
@@ -88,9 +99,52 @@ class SqlStore(ResultStore):
 
     # Backend hooks ------------------------------------------------------------------------
     @abc.abstractmethod
-    def _transaction(self, lock_key: str | None = None) -> contextlib.AbstractContextManager[Any]:
-        """A write transaction (cursor-like object with execute/fetch); with lock_key, one that
-        excludes other writers with the same key (finalising or advancing the same job)."""
+    def _begin(self, lock_key: str | None = None, write: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """A transaction (cursor-like object with execute/fetch); with lock_key, one that
+        excludes other writers with the same key (finalising or advancing the same job);
+        write=False for reads, which must not queue behind (or block) the sink's writes."""
+
+    @abc.abstractmethod
+    def _lock(self, cur: Any, key: str) -> None:
+        """Inside an open transaction, exclude other writers of `key` until it ends."""
+
+    @contextlib.contextmanager
+    def _transaction(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
+        """A transaction of its own, or a part of the group transaction open in this thread."""
+        group = getattr(self._group_local(), "cursor", None)
+        if group is None:
+            with self._begin(lock_key, write) as cur:
+                yield cur
+            return
+        if lock_key is not None:
+            self._lock(group, lock_key)
+        yield group
+
+    def _group_local(self) -> threading.local:
+        local = self.__dict__.get("_group")
+        if local is None:
+            local = self.__dict__["_group"] = threading.local()
+        return local
+
+    # Group commit -----------------------------------------------------------------------
+    def run_group(self, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+        """Run several store calls in ONE transaction (one commit for many messages). If one
+        call fails for a reason other than unavailability, the group is rolled back and each
+        call is run on its own, so one bad call cannot fail its neighbours. Returns each call's
+        result, or the exception that call raised."""
+        local = self._group_local()
+        try:
+            with self._begin(lock_key=None, write=True) as cur:
+                local.cursor = cur
+                try:
+                    results = [fn(*args) for fn, args in calls]
+                finally:
+                    local.cursor = None
+            return results
+        except StoreUnavailable:
+            raise
+        except Exception:
+            return [_outcome(fn, args) for fn, args in calls]
 
     def _q(self, sql: str) -> str:
         return sql if self.placeholder == "?" else sql.replace("?", self.placeholder)

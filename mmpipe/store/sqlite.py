@@ -45,7 +45,7 @@ class SqliteStore(SqlStore):
         return conn
 
     @contextlib.contextmanager
-    def _transaction(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
+    def _begin(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
         try:
             conn = self._connection()
             cur = conn.cursor()
@@ -71,6 +71,9 @@ class SqliteStore(SqlStore):
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
             self._local.conn = None
+
+    def _lock(self, cur: Any, key: str) -> None:
+        """BEGIN IMMEDIATE already excludes every other writer: nothing more to take."""
 
     def close(self) -> None:
         self._drop_connection()

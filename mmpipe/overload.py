@@ -1,0 +1,177 @@
+"""Overload run: 10x the sustainable arrival rate for a while, then back to nothing.
+
+Checks the overload contract: every stage's peak RSS stays within the memory budget, admitted
+jobs (not rejected by admission control) meet their deadline at p99, and all consumer lag
+returns to zero afterwards. Used by the overload test (short) and `mmpipe overload` (60 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import orjson
+import psutil
+
+from mmpipe.client import Publisher, make_event
+from mmpipe.settings import BatchingSettings, Settings
+from mmpipe.store import open_store
+from mmpipe.supervisor import STAGES, Pipeline
+from streams.kafka import LagReader, group_id, stage_input_topics
+
+
+@dataclass
+class OverloadReport:
+    sustainable_rate: float
+    arrival_rate: float
+    seconds: float
+    deadline_s: float
+    published: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    admitted: int = 0
+    admitted_p50_ms: float = 0.0
+    admitted_p99_ms: float = 0.0
+    admitted_within_deadline: float = 0.0  # fraction of admitted jobs that finished ok in time
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    memory_budget_mb: float = 0.0
+    recovered_s: float | None = None  # seconds from the end of arrivals to zero lag everywhere
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2)
+
+
+def overload_settings(base: Settings, service_ms: float) -> Settings:
+    """Small bounds in front of the model, so what is queued there is well under one deadline
+    of work; the model is the bottleneck (service_ms per item, no batching)."""
+    return base.model_copy(update=dict(
+        models=["all-minilm-l6-v2"],
+        default_batching=BatchingSettings(mode="off"),
+        inject_execute_delay_ms=service_ms,
+        admission_policy="reject",
+        # What may wait in front of the model (decode backlog + the two topics between the
+        # stages + in-flight items) is ~16 jobs: ~3 s at the model's rate, under the deadline.
+        # The low mark must cover the next stage's in-flight items (taken but not yet
+        # committed, so still counted as its lag), or the upstream stage never resumes.
+        partitions=1,
+        max_backlog=4,
+        downstream_lag_high=4, downstream_lag_low=2,
+        inflight_high_per_partition=2, inflight_low_per_partition=0, max_inflight=2,
+        stream_buffer_maxsize=2, max_poll_records=2,
+        # Bounds this small are only as good as the control loop that enforces them: read lag
+        # and commit offsets often, or the model starves between pauses.
+        lag_interval_s=0.1, commit_interval_s=0.1,
+    ))
+
+
+# The admission point and the sink see every job, admitted or not: they get room to keep up
+# with the full arrival rate (their memory per job is a few KB). Inference must not wait on
+# the sink's backlog, which holds the rejections too.
+FAST_LANE = dict(inflight_high_per_partition=64, inflight_low_per_partition=16, max_inflight=128,
+                 stream_buffer_maxsize=64, max_poll_records=64)
+OVERLOAD_OVERRIDES = {
+    ("decode", 0): FAST_LANE,
+    ("sink", 0): FAST_LANE,
+    ("inference", 0): {"downstream_lag_high": 100_000, "downstream_lag_low": 0},
+}
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pipeline: Pipeline) -> None:
+        super().__init__(daemon=True)
+        self.pipeline = pipeline
+        self.peak: Counter[str] = Counter()
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            for proc in self.pipeline.processes:
+                try:
+                    rss = psutil.Process(proc.process.pid).memory_info().rss
+                except psutil.Error:
+                    continue
+                self.peak[proc.name] = max(self.peak[proc.name], rss)
+            time.sleep(0.25)
+
+
+async def _publish_at(settings: Settings, rate: float, seconds: float, deadline_s: float) -> list[str]:
+    ids = []
+    async with Publisher(settings) as publisher:
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < seconds:
+            event = make_event("text", text=f"overload job {n}", deadline_s=deadline_s)
+            await publisher.publish(event)
+            ids.append(event.job_id)
+            n += 1
+            await asyncio.sleep(max(start + n / rate - time.monotonic(), 0))
+    return ids
+
+
+async def _total_lag(settings: Settings) -> int:
+    reader = LagReader(settings)
+    try:
+        total = 0
+        for stage in STAGES:
+            rows = await reader.read(group_id(settings, stage), stage_input_topics(settings, stage))
+            total += sum(max(row.lag, 0) for row in rows)
+        return total
+    finally:
+        await reader.close()
+
+
+def run_overload(pipeline: Pipeline, sustainable_rate: float, factor: float, seconds: float,
+                 deadline_s: float, recover_timeout_s: float = 180) -> OverloadReport:
+    settings = pipeline.settings
+    report = OverloadReport(sustainable_rate, sustainable_rate * factor, seconds, deadline_s,
+                            memory_budget_mb=settings.memory_budget_bytes / 2**20)
+    sampler = RssSampler(pipeline)
+    sampler.start()
+    try:
+        ids = asyncio.run(_publish_at(settings, report.arrival_rate, seconds, deadline_s))
+        arrivals_ended = time.monotonic()
+        report.published = len(ids)
+        while time.monotonic() - arrivals_ended < recover_timeout_s:
+            if _stored(settings) >= len(ids) and asyncio.run(_total_lag(settings)) == 0:
+                report.recovered_s = round(time.monotonic() - arrivals_ended, 1)
+                break
+            time.sleep(0.5)
+    finally:
+        sampler.stopped.set()
+        sampler.join()
+    report.peak_rss_mb = {name: round(rss / 2**20, 1) for name, rss in sorted(sampler.peak.items())}
+    _summarise_results(report, settings, ids)
+    return report
+
+
+def _stored(settings: Settings) -> int:
+    store = open_store(settings.store_url)
+    try:
+        return store.counts()["results"]
+    finally:
+        store.close()
+
+
+def _summarise_results(report: OverloadReport, settings: Settings, ids: list[str]) -> None:
+    store = open_store(settings.store_url)
+    try:
+        results = [r for r in (store.get_result(job_id) for job_id in ids) if r is not None]
+    finally:
+        store.close()
+    report.statuses = dict(Counter(r.status for r in results))
+    admitted = [r for r in results if r.status != "rejected"]
+    report.admitted = len(admitted)
+    if not admitted:
+        return
+    # An admitted job that expired missed its deadline: count it at the deadline or later.
+    latencies = np.array([
+        r.timings.end_to_end_ms if r.status == "ok" else max(r.timings.end_to_end_ms, report.deadline_s * 1000)
+        for r in admitted
+    ])
+    report.admitted_p50_ms = round(float(np.percentile(latencies, 50)), 1)
+    report.admitted_p99_ms = round(float(np.percentile(latencies, 99)), 1)
+    in_time = sum(1 for r in admitted if r.status == "ok" and r.timings.end_to_end_ms <= report.deadline_s * 1000)
+    report.admitted_within_deadline = round(in_time / len(admitted), 4)
