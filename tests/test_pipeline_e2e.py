@@ -64,6 +64,20 @@ def test_every_modality_end_to_end(shared_pipeline, media):
     embedding = text.prediction["embedding"]
     assert len(embedding) == 384 and sum(x * x for x in embedding) == pytest.approx(1.0, abs=1e-3)
 
+    # The job status table saw every state, in order (status messages may arrive after the
+    # result: the table fills their timestamps without moving the state back).
+    store = open_store(settings.store_url)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        jobs = [store.get_job(e.job_id) for e in events]
+        if all({"decoding", "preprocessing", "inferring", "finished"} <= set(j.state_times) for j in jobs):
+            break
+        time.sleep(0.2)
+    for job in jobs:
+        assert job.state == "done"
+        t = job.state_times
+        assert t["decoding"] <= t["preprocessing"] <= t["inferring"] <= t["finished"], t
+
 
 def test_bad_input_goes_to_dead_letter_and_next_job_completes(shared_pipeline, media):
     settings = shared_pipeline.settings
