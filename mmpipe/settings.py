@@ -126,6 +126,9 @@ class Settings(BaseSettings):
 
     # --- Observability ------------------------------------------------------------------
     metrics_port: int = 0  # 0 = no metrics server; `up` gives each stage its own port
+    # All interfaces by default (a container's port must be reachable from outside it);
+    # local tools such as the benchmark bind loopback only.
+    metrics_host: str = "0.0.0.0"
     lag_interval_s: float = 0.5  # lag read-out, downstream bound and admission refresh
     log_level: str = "warn"
 

@@ -111,9 +111,9 @@ class StageMonitor(PrometheusMonitor):
 _server_started: set[int] = set()
 
 
-def serve_metrics(port: int) -> None:
-    """Expose the default registry on `port` (once per process; 0 disables)."""
+def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
+    """Expose the default registry on host:port (once per process; port 0 disables)."""
     if port and port not in _server_started:
-        start_http_server(port, addr="0.0.0.0")
+        start_http_server(port, addr=host)
         _server_started.add(port)
         log.info("metrics on :%d/metrics", port)

@@ -249,7 +249,7 @@ class StageRuntime:
     def run(self) -> None:
         """Blocking: load, then join the group and process until SIGINT/SIGTERM."""
         self.stage.setup()
-        serve_metrics(self.settings.metrics_port)
+        serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
         worker = faust.Worker(self.app, loglevel=self.settings.log_level, quiet=True)
         worker.execute_from_commandline()
 
