@@ -290,6 +290,12 @@ def overload(
     raise typer.Exit(0 if ok else 1)
 
 
+# `mmpipe bench`: the benchmark harness (mmpipe/bench/), also benchmarks/run_bench.py.
+from mmpipe.bench.command import bench  # noqa: E402
+
+app.command(name="bench")(bench)
+
+
 def _wait_for_signal() -> None:
     stop = {"flag": False}
 

@@ -1,0 +1,45 @@
+"""The `bench` command, shared by `mmpipe bench` and benchmarks/run_bench.py.
+
+Kept free of heavy imports: mmpipe.cli (which every stage process imports) registers it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="a 2-3 minute run: Poisson only, off/static/dynamic at 70% load"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N (model alone and inference stage alike)"),
+    seed: int = typer.Option(42, help="seed of every arrival schedule and of the simulation"),
+    rate: Optional[float] = typer.Option(None, help="jobs/s of the 70%-load runs (default: 0.7 x measured saturation)"),
+    out: Path = typer.Option(Path("bench-out"), "--out", help="directory for bench.json, bench.png and the run's logs"),
+    scenario: str = typer.Option("all", help="poisson | bursty | degraded | mixed | all (comma-separated list allowed)"),
+    modality: str = typer.Option("image", help="traffic of poisson/bursty/degraded: image | audio | text"),
+    torch_threads: int = typer.Option(0, help="torch threads per stage process and for the model alone (0: half the cores)"),
+    decode_replicas: int = typer.Option(0, help="decode stage processes (0: auto, 1 on small machines)"),
+    preprocess_replicas: int = typer.Option(0, help="preprocess stage processes (0: auto)"),
+) -> None:
+    """Benchmark batching policies on the real pipeline (embedded broker, one process per stage)."""
+    from mmpipe.bench.config import MODALITIES, SCENARIOS, BenchConfig
+    from mmpipe.bench.runner import run_bench
+
+    scenarios = SCENARIOS if scenario == "all" else tuple(s.strip() for s in scenario.split(",") if s.strip())
+    unknown = set(scenarios) - set(SCENARIOS)
+    if unknown:
+        raise typer.BadParameter(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {', '.join(SCENARIOS)} or all")
+    if modality not in MODALITIES:
+        raise typer.BadParameter(f"modality must be one of {', '.join(MODALITIES)}")
+    options = dict(
+        out_dir=out, device=device, seed=seed, rate=rate, modality=modality, torch_threads=torch_threads,
+        decode_replicas=decode_replicas, preprocess_replicas=preprocess_replicas,
+    )
+    if quick:
+        # --quick runs the poisson scenario unless scenarios were named explicitly.
+        config = BenchConfig.quick_preset(**options, **({} if scenario == "all" else {"scenarios": scenarios}))
+    else:
+        config = BenchConfig(**options, scenarios=scenarios)
+    run_bench(config)

@@ -1,0 +1,107 @@
+"""What a benchmark run does: scenarios, sizes of each phase, the policy sweep. Two presets
+(full, quick); tests shrink the quick one further."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+SCENARIOS = ("poisson", "bursty", "degraded", "mixed")
+MODALITIES = ("image", "audio", "text")
+# The load for the latency check: a share of the pipeline's own saturation throughput.
+TARGET_LOAD = 0.7
+
+
+@dataclass
+class BenchConfig:
+    out_dir: Path = Path("bench-out")
+    device: str = "cpu"
+    seed: int = 42
+    scenarios: tuple[str, ...] = SCENARIOS
+    modality: str = "image"  # traffic of the poisson/bursty/degraded scenarios
+    rate: float | None = None  # jobs/s of the latency runs; None: TARGET_LOAD x saturation
+    torch_threads: int = 0  # 0: auto (half the cores, 1 on a 2-core machine)
+    decode_replicas: int = 0  # 0: auto
+    preprocess_replicas: int = 0  # 0: auto
+    partitions: int = 4
+    quick: bool = False
+
+    # Model alone
+    max_batch_cap: int | None = None  # cap of the batch sizes tried (tests keep it small)
+    model_seconds_per_size: float = 3.0
+    model_rounds: int = 3
+    # Decode benchmark
+    decode_clip_s: float = 6.0
+    decode_repeats: int = 5
+    # Pipeline phases
+    warmup_jobs_min: int = 8
+    flood_seconds: float = 8.0  # flood size: about this many seconds of model-alone work
+    flood_jobs_min: int = 40
+    flood_jobs_max: int = 2000
+    static_flood: bool = True  # static's saturation is informational (no target uses it)
+    poisson_s: float = 20.0
+    load_ladder: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)  # for off, static and the headline
+    sweep: bool = True  # dynamic over max batch x max wait (at TARGET_LOAD only)
+    # max_wait as multiples of t(1); with the headline (b*, 1 x t(1)) the sweep is 3 sizes x 3 waits
+    # on b* and 2 waits on the smaller sizes, which keeps a full run near 20 minutes on 2 cores.
+    sweep_wait_factors: tuple[float, ...] = (0.25, 2.0)
+    headline_wait_factor: float = 1.0
+    bursty_s: float = 36.0
+    bursty_on_s: float = 2.0
+    bursty_off_s: float = 4.0
+    bursty_peak_load: float = 1.5  # on-period rate, as a share of saturation
+    mixed_s: float = 25.0
+    mixed_load: float = 0.5  # mixed jobs carry more work (video frames + audio) than one image
+    degrade_factor: float = 1.0  # extra delay per batch on the slowed replica, in t(best batch)
+    degraded_s: float = 25.0
+    policies: tuple[str, ...] = ("dynamic", "off", "static")  # which of the main three run
+    result_timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def quick_preset(cls, **overrides: object) -> BenchConfig:
+        base = cls(
+            quick=True,
+            scenarios=("poisson",),
+            model_seconds_per_size=0.6,
+            model_rounds=2,
+            decode_clip_s=2.0,
+            decode_repeats=3,
+            flood_seconds=3.0,
+            flood_jobs_min=24,
+            static_flood=False,
+            warmup_jobs_min=4,
+            poisson_s=8.0,
+            load_ladder=(TARGET_LOAD,),
+            sweep=False,
+            bursty_s=12.0,
+            bursty_on_s=1.5,
+            bursty_off_s=3.0,
+            mixed_s=10.0,
+            degraded_s=10.0,
+            result_timeout_s=180.0,
+        )
+        return replace(base, **overrides)  # type: ignore[arg-type]
+
+    # Derived -------------------------------------------------------------------------------
+    def threads(self) -> int:
+        if self.torch_threads:
+            return self.torch_threads
+        return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+    def replicas(self) -> dict[str, int]:
+        cores = os.cpu_count() or 2
+        auto = 1 if cores <= 4 else min(self.partitions, cores // 4)
+        return {
+            "decode": self.decode_replicas or auto,
+            "preprocess": self.preprocess_replicas or auto,
+            "inference": 1,
+            "sink": 1,
+        }
+
+    def modalities_needed(self) -> set[str]:
+        needed = {self.modality}
+        if "mixed" in self.scenarios:
+            needed |= {"image", "video", "audio", "text"}
+        return needed

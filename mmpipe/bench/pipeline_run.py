@@ -1,0 +1,247 @@
+"""The real pipeline under a schedule: embedded broker, one OS process per stage replica.
+
+One Pipeline serves the whole benchmark. A batching policy lives in the inference stage, so
+changing policy restarts only the inference replicas (model load + group join, seconds) rather
+than every stage. Each run publishes its schedule with a Publisher at the scheduled times
+(events are built at send time, so created_at is the real start of each job), then waits until
+the store holds a result for every published job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmpipe.bench import stats
+from mmpipe.bench.resources import LagSampler, ResourceSampler, scrape
+from mmpipe.bench.simulate import SimPolicy
+from mmpipe.bench.traffic import Arrival
+from mmpipe.bench.workload import Workload
+from mmpipe.client import Publisher
+from mmpipe.settings import BatchingSettings, Settings
+from mmpipe.store.base import load_result
+from mmpipe.supervisor import STAGES, Pipeline
+from schemas import JobResult
+
+
+@dataclass(frozen=True)
+class Policy:
+    mode: str  # off | static | dynamic
+    max_batch: int = 1
+    max_wait_ms: float = 0.0
+    static_timeout_ms: float = 1000.0
+
+    @property
+    def label(self) -> str:
+        if self.mode == "off":
+            return "off"
+        if self.mode == "static":
+            return f"static b={self.max_batch}"
+        return f"dynamic b={self.max_batch} w={self.max_wait_ms:g}ms"
+
+    def batching(self) -> BatchingSettings:
+        return BatchingSettings(
+            mode=self.mode,  # type: ignore[arg-type]
+            max_batch_size=self.max_batch,
+            max_wait_ms=self.max_wait_ms,
+            static_timeout_ms=self.static_timeout_ms,
+        )
+
+    def sim(self) -> SimPolicy:
+        return SimPolicy(self.mode, 1 if self.mode == "off" else self.max_batch, self.max_wait_ms / 1000.0, self.static_timeout_ms / 1000.0)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How many inference replicas, and how much slower each is (0 = healthy)."""
+
+    inference_delays_ms: tuple[float, ...] = (0.0,)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.inference_delays_ms)
+
+
+@dataclass
+class RunData:
+    results: list[JobResult]
+    published: int
+    offsets_s: list[float]  # scheduled offsets, for the simulation
+    send_lag_ms: dict[str, float]  # how late the publisher was against the schedule
+    lag_peak: dict[str, int]
+    resources: dict[str, Any]
+    inference_metrics: dict[str, Any] = field(default_factory=dict)
+    missing: int = 0
+
+    def stats(self, flood: bool) -> dict[str, Any]:
+        figures = stats.run_stats(self.results, self.published, flood)
+        figures["missing"] = self.missing
+        return figures
+
+
+class BenchPipeline:
+    def __init__(
+        self,
+        settings: Settings,
+        workdir: Path,
+        model: str,
+        replicas: dict[str, int],
+        sampler: ResourceSampler,
+        metrics_base_port: int,
+    ) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.metrics_base_port = metrics_base_port
+        self.pipeline = Pipeline(settings, workdir=workdir, replicas=replicas, metrics_base_port=metrics_base_port)
+        self.policy: Policy | None = None
+        self.topology = Topology()
+        self.restarts = 0
+
+    @property
+    def settings(self) -> Settings:
+        return self.pipeline.settings
+
+    @property
+    def db_path(self) -> str:
+        return self.settings.store_url[len("sqlite:///"):]
+
+    def start(self, policy: Policy, timeout_s: float = 300.0) -> None:
+        """Start every stage, the inference stage already with `policy` (saves a restart)."""
+        self._apply(policy, Topology())
+        self.pipeline.start(timeout_s)
+        self.policy, self.topology = policy, Topology()
+        if self.pipeline.broker is not None and self.pipeline.broker.process is not None:
+            self.sampler.watch("broker", self.pipeline.broker.process.pid)
+        self._watch_all()
+
+    def stop(self) -> None:
+        self.pipeline.stop()
+
+    def set_policy(self, policy: Policy, topology: Topology = Topology(), timeout_s: float = 300.0) -> bool:
+        """Restart the inference replicas with this policy; False if it was already in force."""
+        if policy == self.policy and topology == self.topology:
+            return False
+        for proc in [p for p in self.pipeline.processes if p.stage == "inference"]:
+            if proc.alive():
+                self.pipeline.kill("inference", proc.index, signal.SIGTERM)  # leave the group cleanly
+            self.pipeline.processes.remove(proc)
+            self.sampler.unwatch(proc.name)
+        self._apply(policy, topology)
+        new = [self.pipeline.spawn("inference", i) for i in range(topology.replicas)]
+        self.pipeline.wait_ready(timeout_s, new)
+        self.policy, self.topology = policy, topology
+        self.restarts += 1
+        self._watch_all()
+        return True
+
+    def _apply(self, policy: Policy, topology: Topology) -> None:
+        """Settings the next inference processes start with."""
+        self.pipeline.settings = self.settings.model_copy(update={"batching": {self.model: policy.batching()}})
+        for index, delay in enumerate(topology.inference_delays_ms):
+            self.pipeline.replica_overrides[("inference", index)] = {"inject_execute_delay_ms": delay}
+
+    def _watch_all(self) -> None:
+        for proc in self.pipeline.processes:
+            if proc.alive():
+                self.sampler.watch(proc.name, proc.process.pid)
+
+    # Runs ----------------------------------------------------------------------------------
+    def run(self, schedule: list[Arrival], workload: Workload, tag: str, timeout_s: float) -> RunData:
+        flushes_before = self._flushes()
+        self.sampler.begin()
+        published, send_lag, lag_peak = asyncio.run(self._publish(schedule, workload, tag, timeout_s))
+        resources = self.sampler.end()
+        results = self._fetch(tag)
+        return RunData(
+            results=results,
+            published=published,
+            offsets_s=[a.offset_s for a in schedule],
+            send_lag_ms=send_lag,
+            lag_peak=lag_peak,
+            resources=resources,
+            inference_metrics=self._inference_metrics(flushes_before),
+            missing=published - len(results),
+        )
+
+    async def _publish(
+        self, schedule: list[Arrival], workload: Workload, tag: str, timeout_s: float
+    ) -> tuple[int, dict[str, float], dict[str, int]]:
+        loop = asyncio.get_running_loop()
+        late: list[float] = []
+        async with Publisher(self.settings) as publisher, LagSampler(self.settings) as lag:
+            sends = []
+            start = loop.time() + 0.05
+            for arrival in schedule:
+                delay = start + arrival.offset_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                late.append(max(loop.time() - start - arrival.offset_s, 0.0) * 1000.0)
+                sends.append(asyncio.ensure_future(publisher.publish(workload.event(arrival.modality, tag))))
+            await asyncio.gather(*sends)
+            # Lag keeps being sampled while the pipeline drains what was just published.
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and await asyncio.to_thread(self._count, tag) < len(sends):
+                await asyncio.sleep(0.5)
+            await lag.sample()
+            peaks = dict(lag.peaks)
+        lag_ms = stats.percentiles(late)
+        return len(sends), {"p99": lag_ms["p99"], "max": lag_ms["max"]}, peaks
+
+    def _count(self, tag: str) -> int:
+        with self._read() as conn:
+            return conn.execute("SELECT COUNT(*) FROM results WHERE job_id LIKE ?", (f"{tag}-%",)).fetchone()[0]
+
+    def _fetch(self, tag: str) -> list[JobResult]:
+        with self._read() as conn:
+            rows = conn.execute("SELECT body FROM results WHERE job_id LIKE ?", (f"{tag}-%",)).fetchall()
+        return [load_result(body) for (body,) in rows]
+
+    def _read(self) -> sqlite3.Connection:
+        """A plain reader: WAL lets it read beside the sink's writes without taking the write
+        lock the store's own transactions take (BEGIN IMMEDIATE), so polling costs the sink nothing."""
+        return _Reader(self.db_path)
+
+    def _scrape_inference(self) -> dict[str, dict[str, float]]:
+        if not self.metrics_base_port:
+            return {}
+        base = self.metrics_base_port + 10 * STAGES.index("inference")
+        return {p.name: scrape(base + p.index) for p in self.pipeline.processes if p.stage == "inference"}
+
+    def _flushes(self) -> dict[str, dict[str, float]]:
+        return {name: _triggers(values, self.model) for name, values in self._scrape_inference().items()}
+
+    def _inference_metrics(self, flushes_before: dict[str, dict[str, float]]) -> dict[str, Any]:
+        """The inference replicas' own view: peak GPU memory, and batch flushes by trigger
+        during this run (full batch, max_wait, static timeout)."""
+        out: dict[str, Any] = {}
+        for name, values in self._scrape_inference().items():
+            before = flushes_before.get(name, {})
+            out[name] = {
+                "gpu_memory_bytes": int(values.get("mm_gpu_memory_bytes", 0)),
+                "batch_flushes": {k: int(v - before.get(k, 0)) for k, v in _triggers(values, self.model).items() if v - before.get(k, 0)},
+            }
+        return out
+
+
+def _triggers(values: dict[str, float], model: str) -> dict[str, float]:
+    return {
+        key.split('trigger="')[1].split('"')[0]: value
+        for key, value in values.items()
+        if key.startswith("mm_batch_flushes_total{") and f'model="{model}"' in key
+    }
+
+
+class _Reader:
+    def __init__(self, path: str) -> None:
+        self.conn = sqlite3.connect(path, timeout=10)
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.conn
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()

@@ -1,0 +1,195 @@
+"""The benchmark's three outputs: tables on the terminal, bench.json, bench.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from mmpipe.bench.stats import SPANS
+
+STATUS_STYLE = {"PASS": "[green]PASS[/]", "MISS": "[red]MISS[/]", "N/A": "[yellow]N/A[/]"}
+MAIN_COLOURS = {"off": "tab:red", "static": "tab:orange", "dynamic": "tab:blue"}
+
+
+def write_all(result: dict[str, Any], out_dir: Path, console: Console) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "bench.json", "png": out_dir / "bench.png"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str))
+    plot(result, paths["png"])
+    print_report(result, console)
+    console.print(f"wrote {paths['json']} and {paths['png']}")
+    return paths
+
+
+# Terminal ------------------------------------------------------------------------------------------
+def print_report(result: dict[str, Any], console: Console) -> None:
+    console.print(header(result))
+    console.print(model_table(result))
+    console.print(runs_table(result))
+    console.print(breakdown_table(result))
+    console.print(targets_table(result))
+
+
+def header(result: dict[str, Any]) -> str:
+    m, alone = result["meta"], result["model_alone"]
+    pk = m["packages"]
+    gpu = f", GPU {m['gpu']} (CUDA {m.get('cuda')})" if m.get("gpu") else ""
+    others = [run["resources"]["other_busy_cores"] for run in result["runs"]]
+    contention = max(others) if others else 0.0
+    return (
+        f"[bold]mmpipe bench[/] {m['git_commit']}  {m['cpu']} x{m['cpu_count']}{gpu}, {m['memory_gib']} GiB; "
+        f"device {m['device']}, torch {pk['torch']} ({m['torch_threads']} threads/stage), torchvision {pk['torchvision']}, "
+        f"av {pk['av']} (libavcodec {m['ffmpeg'].get('libavcodec')}), faust {pk['faust-streaming']}\n"
+        f"model {alone['model']} weights={alone['weights']} on {alone['device']}; replicas {m['replicas']}; "
+        f"load from other processes up to {contention:.2f} cores during runs; took {m['duration_s']:.0f}s"
+    )
+
+
+def model_table(result: dict[str, Any]) -> Table:
+    alone = result["model_alone"]
+    table = Table(title=f"model alone: {alone['model']} (best batch {alone['best_batch']}, gain {alone['batching_gain']:.2f}x)")
+    for col in ("batch", "ms/batch", "items/s", "timed"):
+        table.add_column(col, justify="right")
+    for p in alone["points"]:
+        table.add_row(str(p["batch_size"]), f"{p['batch_ms']:.1f}", f"{p['items_per_s']:.1f}", str(p["iterations"]))
+    return table
+
+
+def runs_table(result: dict[str, Any]) -> Table:
+    table = Table(title="pipeline runs (ms; throughput in jobs/s; thr of a flood = saturation; infer = batch wait + execute; "
+                        "sim = simulated batcher with t(b) alone, sim* = with t(b) as executed in this run)")
+    cols = ("scenario", "policy", "load", "rate", "ok/pub", "thr", "p50", "p95", "p99", "infer p99",
+            "sim p50", "sim p99", "sim thr", "sim* p99", "batch", "lag peak", "cpu inf/all/other", "rss max")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("scenario", "policy") else "right", overflow="fold")
+    for run in result["runs"]:
+        s, sim, res = run["stats"], run.get("sim"), run["resources"]
+        e2e = s["e2e_ms"]
+        scenario = run["scenario"] + (f" x{run['topology']['replicas']}" if run["topology"]["replicas"] > 1 else "")
+        if any(run["topology"]["delays_ms"]):
+            scenario += " slowed"
+        cores = res["cpu_cores"]
+        inference = sum(v for k, v in cores.items() if k.startswith("inference"))
+        table.add_row(
+            scenario, run["label"], _pct(run["load"]), _num(run["offered_rate"], 2), f"{s['ok']}/{s['published']}",
+            f"{s['throughput']:.2f}", f"{e2e['p50']:.0f}", f"{e2e['p95']:.0f}", f"{e2e['p99']:.0f}",
+            f"{s['inference_ms']['p99']:.0f}",
+            _num(sim and sim["p50_ms"], 0), _num(sim and sim["p99_ms"], 0), _num(sim and sim["throughput"], 2),
+            _num(sim and sim["in_pipeline"]["p99_ms"], 0),
+            f"{s['mean_batch']}", str(max(run["lag_peak"].values(), default=0)),
+            f"{inference:.2f}/{sum(cores.values()):.2f}/{res['other_busy_cores']:.2f}",
+            f"{max(res['peak_rss_mib'].values(), default=0):.0f}",
+        )
+    return table
+
+
+def breakdown_table(result: dict[str, Any]) -> Table:
+    table = Table(title="stage breakdown: mean ms per job (q = waiting in the stage's input topic)")
+    table.add_column("scenario")
+    table.add_column("policy")
+    table.add_column("load", justify="right")
+    short = {"queue_decode_ms": "q dec", "decode_ms": "decode", "queue_preprocess_ms": "q prep", "preprocess_ms": "prep",
+             "queue_inference_ms": "q inf", "batch_wait_ms": "batch wait", "execute_ms": "execute",
+             "queue_sink_ms": "q sink", "sink_ms": "sink"}
+    for span in SPANS:
+        table.add_column(short[span], justify="right")
+    table.add_column("batches (size:count)", overflow="fold")
+    for run in result["runs"]:
+        b = run["stats"]["breakdown_ms"]
+        counts = " ".join(f"{k}:{v:g}" for k, v in run["stats"]["batch_count"].items())
+        table.add_row(run["scenario"], run["label"], _pct(run["load"]), *[f"{b[span]:.0f}" for span in SPANS], counts)
+    return table
+
+
+def targets_table(result: dict[str, Any]) -> Table:
+    table = Table(title="targets (ratios measured in this run)")
+    for col in ("target", "measured", "threshold", "status", "detail"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("measured", "threshold") else "left")
+    for t in result["targets"]:
+        detail = t["detail"]
+        if "holds_back" in t:
+            detail += f"\n[bold]holds back:[/] {t['holds_back']['summary']}"
+        measured = "-" if t["measured"] is None else f"{t['measured']:.3g}{t['unit']}"
+        table.add_row(t["name"], measured, f"{t['threshold']:g}{t['unit']}", STATUS_STYLE[t["status"]], detail)
+    return table
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+# Plot --------------------------------------------------------------------------------------------------
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_model) = plt.subplots(1, 2, figsize=(17, 6.5), gridspec_kw={"width_ratios": [2, 1], "wspace": 0.6})
+    _latency_throughput(ax, result)
+    _model_curve(ax_model, result)
+    m = result["meta"]
+    fig.suptitle(f"mmpipe bench {m['git_commit']}: {result['model_alone']['model']} ({result['model_alone']['weights']} weights) "
+                 f"on {m['device']}, {m['cpu_count']} CPUs{', ' + m['gpu'] if m.get('gpu') else ''}", fontsize=11)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _latency_throughput(ax: Any, result: dict[str, Any]) -> None:
+    policies = result["policies"]
+    main = {policies[role]["label"]: role for role in ("off", "static", "headline")}
+    for label, role in main.items():
+        colour = MAIN_COLOURS[policies[role]["mode"]]
+        runs = sorted((r for r in result["runs"] if r["scenario"] == "poisson" and r["label"] == label), key=lambda r: r["load"])
+        if runs:
+            x = [r["stats"]["throughput"] for r in runs]
+            ax.plot(x, [r["stats"]["e2e_ms"]["p99"] for r in runs], "o-", color=colour, label=f"{label} p99")
+            ax.plot(x, [r["stats"]["e2e_ms"]["p50"] for r in runs], "s--", color=colour, alpha=0.6, label=f"{label} p50")
+        sim = result["simulation_curves"].get(label)
+        if sim:
+            # Only the stable part: past saturation the simulated queue just grows with the run.
+            points = [p for p in sim["points"] if p["throughput"] >= 0.97 * p["rate"]]
+            ax.plot([p["throughput"] for p in points], [p["p99_ms"] for p in points], ":", color=colour, alpha=0.7,
+                    label=f"{label} p99, simulated (batcher only)")
+        if label in result["saturation"]:
+            ax.axvline(result["saturation"][label], color=colour, linestyle="-.", alpha=0.5, linewidth=1)
+    sweep = [r for r in result["runs"] if r["scenario"] == "poisson" and r["label"] not in main]
+    for r in sweep:
+        ax.plot(r["stats"]["throughput"], r["stats"]["e2e_ms"]["p99"], "x", color="tab:purple")
+        ax.annotate(r["label"].replace("dynamic ", ""), (r["stats"]["throughput"], r["stats"]["e2e_ms"]["p99"]), fontsize=7)
+    if sweep:
+        ax.plot([], [], "x", color="tab:purple", label="dynamic sweep p99 (70% load)")
+    ax.set_yscale("log")
+    alone = result["model_alone"]
+    bottom = ax.get_ylim()[0]
+    for batch, style in ((1, ":"), (alone["best_batch"], "--")):
+        thr = next(p["items_per_s"] for p in alone["points"] if p["batch_size"] == batch)
+        ax.axvline(thr, color="grey", linestyle=style, linewidth=1)
+        ax.annotate(f"model alone b={batch}", (thr, bottom), rotation=90, fontsize=7, color="grey", va="bottom")
+    ax.set_xlabel("throughput (jobs/s)   [dash-dot: pipeline saturation per policy]")
+    ax.set_ylabel("end-to-end latency (ms)")
+    ax.set_title("latency vs throughput, Poisson arrivals")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _model_curve(ax: Any, result: dict[str, Any]) -> None:
+    points = result["model_alone"]["points"]
+    sizes = [p["batch_size"] for p in points]
+    ax.plot(sizes, [p["items_per_s"] for p in points], "o-", color="tab:green", label="items/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("model-alone throughput (items/s)", color="tab:green")
+    twin = ax.twinx()
+    twin.plot(sizes, [p["batch_ms"] for p in points], "s--", color="tab:gray", label="ms/batch")
+    twin.set_ylabel("ms per batch t(b)", color="tab:gray")
+    ax.set_title(f"model alone (best b={result['model_alone']['best_batch']})")
+    ax.grid(True, alpha=0.3)

@@ -1,0 +1,398 @@
+"""The benchmark, phase by phase:
+
+1. decode: decode_video vs a bare PyAV loop on a 720p clip (before anything else runs);
+2. model alone: t(b) over batch sizes, the best batch size b*, the batching gain;
+3. the real pipeline, started once. Per policy (inference restarted with it, then warmed up):
+   a flood (saturation throughput) and Poisson runs at shares of the headline policy's
+   saturation (the latency/throughput curve; 70% is the latency check), bursty on/off
+   traffic, mixed modalities, and two inference replicas with one slowed down;
+4. the queueing simulation of every run, with the measured t(b) and the same arrivals;
+5. targets as measured ratios, and the report (terminal table, JSON, PNG).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from mmpipe.bench import decode_bench, report, simulate, targets, traffic
+from mmpipe.bench.config import TARGET_LOAD, BenchConfig
+from mmpipe.bench.env import environment
+from mmpipe.bench.model_alone import ModelCurve, batch_sizes, measure_curve
+from mmpipe.bench.pipeline_run import BenchPipeline, Policy, RunData, Topology
+from mmpipe.bench.resources import ResourceSampler
+from mmpipe.bench.workload import Workload, decode_clip, model_input
+from mmpipe.settings import Settings, load_settings
+from models.registry import DEFAULTS, resolve
+from models.torch_util import resolve_device
+
+CACHE_DIR = Path("var/bench-cache")
+# Pipeline settings that shape the figures, reported with them.
+REPORTED_SETTINGS = {
+    "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
+    "stream_buffer_maxsize", "decode_workers", "decode_threads", "inference_workers", "torch_threads",
+    "video_sample_fps", "video_max_frames", "models", "device",
+}
+
+
+def run_bench(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any]:
+    return Runner(cfg, console or wide_console()).run()
+
+
+def wide_console() -> Console:
+    """Rich assumes 80 columns when output is not a terminal (a log file, CI), which folds the
+    wide tables into unreadable columns."""
+    console = Console()
+    return console if console.is_terminal else Console(width=220)
+
+
+class Runner:
+    def __init__(self, cfg: BenchConfig, console: Console) -> None:
+        self.cfg = cfg
+        self.console = console
+        self.device = resolve_device(cfg.device)
+        self.runs: list[dict[str, Any]] = []
+        self.saturation: dict[str, float] = {}
+        self.curve: ModelCurve | None = None
+        self.bench: BenchPipeline | None = None
+        self.sampler = ResourceSampler(gpu=self.device.startswith("cuda"))
+        self._tags = 0
+        self._warm = False
+
+    # Top level -------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        started = time.time()
+        cfg = self.cfg
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the bundled models load from site-packages
+        meta = environment(self.device)
+        meta["torch_threads"] = cfg.threads()
+        meta["replicas"] = cfg.replicas()
+        self.say(f"device {self.device}, torch threads {cfg.threads()} per stage process, replicas {cfg.replicas()}")
+        with self.console.status("preparing media (PyAV, espeak-ng)..."):
+            self.work = Workload.prepare(CACHE_DIR / "media", cfg.modalities_needed())
+        decode = self.decode_phase()
+        self.curve = self.model_phase()
+        self.policies = plan_policies(self.curve, cfg)
+        self.sampler.start()
+        self.sampler.watch("bench", os.getpid())
+        try:
+            self.pipeline_phase()
+            meta["pipeline_settings"] = self.bench.settings.model_dump(mode="json", include=REPORTED_SETTINGS)
+        finally:
+            if self.bench is not None:
+                with self.console.status("stopping the pipeline..."):
+                    self.bench.stop()
+            self.sampler.stop()
+        result = {
+            "meta": {**meta, "started_at": started, "duration_s": round(time.time() - started, 1)},
+            "config": _jsonable(asdict(cfg)),
+            "decode": {**asdict(decode), "ratio": round(decode.ratio, 3)},
+            "model_alone": self.curve.to_dict(),
+            "policies": {
+                role: {**asdict(self.policies[role]), "label": self.policies[role].label} for role in ("off", "static", "headline")
+            },
+            "saturation": self.saturation,
+            "runs": self.runs,
+            "memory": self.memory(),
+            "simulation_curves": self.simulation_curves(),
+        }
+        result["targets"] = targets.evaluate(result, self.settings_budget())
+        report.write_all(result, cfg.out_dir, self.console)
+        return result
+
+    def say(self, text: str) -> None:
+        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {text}")
+
+    # Phases --------------------------------------------------------------------------------------
+    def decode_phase(self) -> decode_bench.DecodeResult:
+        with self.console.status("decode: 720p H.264 clip, decode_video vs bare PyAV loop..."):
+            clip = decode_clip(CACHE_DIR, self.cfg.decode_clip_s)
+            result = decode_bench.run(clip, self.cfg.decode_repeats)
+        self.say(f"decode: bare {result.bare_fps:.0f} fps, decode_video {result.stage_fps:.0f} fps (ratio {result.ratio:.2f})")
+        return result
+
+    def model_phase(self) -> ModelCurve:
+        spec = resolve(None, self.cfg.modality)
+        sizes = batch_sizes(self.device, min(spec.config.max_batch_size, self.cfg.max_batch_cap or 1024))
+        with self.console.status(f"model alone: {spec.ref} at batch sizes {sizes}..."):
+            curve = measure_curve(
+                spec, model_input(spec, self.cfg.modality, self.work), device=self.device,
+                weights_dir=str(load_settings().weights_dir), torch_threads=self.cfg.threads(),
+                sizes=sizes, seconds_per_size=self.cfg.model_seconds_per_size, rounds=self.cfg.model_rounds,
+            )
+        points = ", ".join(f"b{p.batch_size}: {p.items_per_s:.1f}/s" for p in curve.points)
+        self.say(f"model alone ({curve.weights} weights): {points}; best b={curve.best_batch}, gain {curve.batching_gain:.2f}x")
+        return curve
+
+    def pipeline_phase(self) -> None:
+        cfg, p = self.cfg, self.policies
+        scen = set(cfg.scenarios)
+        self.start_pipeline()
+        headline = p["headline"]
+        main = {"dynamic": headline, "off": p["off"], "static": p["static"]}
+        order = [name for name in ("dynamic", "off", "static") if name in cfg.policies or name in ("dynamic", "off")]
+        for name in order:
+            policy = main[name]
+            needs = name != "static" or scen & {"poisson", "bursty"}
+            if not needs:
+                continue
+            self.use(policy)
+            if name != "static" or ("poisson" in scen and cfg.static_flood):
+                self.flood(policy)
+            if name == "dynamic":
+                saturation = self.saturation[headline.label]
+                self.rate = cfg.rate or TARGET_LOAD * saturation
+                self.say(f"saturation {saturation:.2f} jobs/s; latency runs at {self.rate:.2f} jobs/s (load {TARGET_LOAD:.0%})")
+            if "poisson" in scen and name in cfg.policies:
+                for load in cfg.load_ladder:
+                    self.poisson(policy, load)
+            if "bursty" in scen and name in cfg.policies:
+                self.bursty(policy)
+            if "mixed" in scen and name == "dynamic":
+                self.mixed(policy)
+        if "poisson" in scen and cfg.sweep:
+            self.sweep()
+        if "degraded" in scen:
+            self.degraded()
+
+    def start_pipeline(self) -> None:
+        cfg = self.cfg
+        workdir = (cfg.out_dir / "run").resolve()
+        shutil.rmtree(workdir, ignore_errors=True)
+        settings = self.pipeline_settings(workdir)
+        base_port = free_port_block(40)
+        self.bench = BenchPipeline(settings, workdir, self.curve.model, cfg.replicas(), self.sampler, base_port)
+        with self.console.status("starting the embedded broker and the stage processes..."):
+            started = time.monotonic()
+            self.bench.start(self.policies["headline"])
+        self.say(f"pipeline up in {time.monotonic() - started:.1f}s on {self.bench.settings.bootstrap} (logs in {workdir})")
+
+    def pipeline_settings(self, workdir: Path) -> Settings:
+        cfg = self.cfg
+        models = [self.curve.model]
+        if "mixed" in cfg.scenarios:
+            models = sorted({ref.name for ref in DEFAULTS.values()})
+        return load_settings().model_copy(update=dict(
+            bootstrap="127.0.0.1:0",
+            topic_prefix=f"bench{uuid.uuid4().hex[:8]}",
+            partitions=cfg.partitions,
+            store_url=f"sqlite:///{workdir / 'results.db'}",
+            input_roots=[self.work.media_dir],
+            allow_random_weights=True,
+            device=self.device,
+            torch_threads=cfg.threads(),
+            models=models,
+            metrics_host="127.0.0.1",
+            log_level="warn",
+        ))
+
+    def settings_budget(self) -> int:
+        return load_settings().memory_budget_bytes
+
+    # Policies ------------------------------------------------------------------------------------
+    def use(self, policy: Policy, topology: Topology = Topology()) -> None:
+        assert self.bench is not None
+        with self.console.status(f"restarting inference with {policy.label} ({topology.replicas} replica(s))..."):
+            started = time.monotonic()
+            changed = self.bench.set_policy(policy, topology)
+        if changed:
+            self.say(f"inference restarted with [bold]{policy.label}[/] in {time.monotonic() - started:.1f}s")
+        if changed or not self._warm:
+            # First jobs after a (re)start pay for lazy set-up along the path (fetch sessions,
+            # allocator growth, first-batch shapes); they are not measured.
+            warm = max(self.cfg.warmup_jobs_min, 2 * policy.max_batch * topology.replicas)
+            self.execute(traffic.flood(warm, self.cfg.modality, self.cfg.seed), "warm-up", policy, record=False, simulate_it=False)
+            self._warm = True
+
+    def flood(self, policy: Policy) -> None:
+        assert self.curve is not None
+        size = int(self.curve.throughput(self.curve.best_batch) * self.cfg.flood_seconds)
+        size = min(max(size, self.cfg.flood_jobs_min, 4 * policy.max_batch), self.cfg.flood_jobs_max)
+        run = self.execute(traffic.flood(size, self.cfg.modality, self.cfg.seed), "flood", policy, flood=True)
+        self.saturation[policy.label] = run["stats"]["throughput"]
+
+    def rate_at(self, load: float) -> float:
+        return self.rate * load / TARGET_LOAD
+
+    def poisson(self, policy: Policy, load: float) -> None:
+        rate = self.rate_at(load)
+        schedule = traffic.poisson(rate, self.cfg.poisson_s, self.cfg.seed, self.cfg.modality)
+        self.execute(schedule, "poisson", policy, load=load, rate=rate)
+
+    def bursty(self, policy: Policy) -> None:
+        cfg = self.cfg
+        on_rate = self.rate_at(cfg.bursty_peak_load)
+        schedule = traffic.bursty(on_rate, cfg.bursty_on_s, cfg.bursty_off_s, cfg.bursty_s, cfg.seed, cfg.modality)
+        self.execute(schedule, "bursty", policy, load=cfg.bursty_peak_load, rate=traffic.mean_rate(schedule))
+
+    def mixed(self, policy: Policy) -> None:
+        rate = self.rate_at(self.cfg.mixed_load)
+        schedule = traffic.poisson(rate, self.cfg.mixed_s, self.cfg.seed, "mixed")
+        self.execute(schedule, "mixed", policy, load=self.cfg.mixed_load, rate=rate, simulate_it=False)
+
+    def sweep(self) -> None:
+        flooded = {self.policies["headline"].max_batch}
+        for policy in self.policies["sweep"]:
+            if policy == self.policies["headline"]:
+                continue
+            self.use(policy)
+            if policy.max_batch not in flooded:
+                self.flood(policy)
+                flooded.add(policy.max_batch)
+            self.poisson(policy, TARGET_LOAD)
+
+    def degraded(self) -> None:
+        """Two inference replicas; then the second one slowed by degrade_factor x t(b*) per batch."""
+        assert self.curve is not None
+        delay = round(self.cfg.degrade_factor * self.curve.batch_ms(self.curve.best_batch), 1)
+        healthy, slowed = Topology((0.0, 0.0)), Topology((0.0, delay))
+        rate = self.rate_at(TARGET_LOAD)
+        schedule = traffic.poisson(rate, self.cfg.degraded_s, self.cfg.seed, self.cfg.modality)
+        plan = [(self.policies["headline"], healthy)]
+        plan += [(self.policies[name if name != "dynamic" else "headline"], slowed) for name in ("off", "dynamic") if name in self.cfg.policies]
+        for policy, topology in plan:
+            self.use(policy, topology)
+            self.execute(schedule, "degraded", policy, load=TARGET_LOAD, rate=rate, topology=topology)
+
+    # One measured run ----------------------------------------------------------------------------
+    def execute(
+        self, schedule: list[traffic.Arrival], kind: str, policy: Policy, *, load: float | None = None,
+        rate: float | None = None, flood: bool = False, topology: Topology = Topology(),
+        record: bool = True, simulate_it: bool = True,
+    ) -> dict[str, Any]:
+        assert self.bench is not None and self.curve is not None
+        self._tags += 1
+        tag = f"r{self._tags}"
+        what = f"{kind} {policy.label}" + (f" load {load:.0%}" if load is not None else "") + f": {len(schedule)} jobs"
+        with self.console.status(f"{what}..."):
+            data = self.bench.run(schedule, self.work, tag, self.cfg.result_timeout_s)
+        figures = data.stats(flood)
+        run = {
+            "tag": tag, "scenario": kind, "policy": asdict(policy), "label": policy.label,
+            "topology": {"replicas": topology.replicas, "delays_ms": list(topology.inference_delays_ms)},
+            "load": load, "offered_rate": round(rate, 3) if rate else None,
+            "modality": "mixed" if kind == "mixed" else self.cfg.modality,
+            "stats": figures, "lag_peak": data.lag_peak, "send_lag_ms": data.send_lag_ms,
+            "resources": data.resources, "inference_metrics": data.inference_metrics,
+        }
+        if simulate_it:
+            run["sim"] = self.simulate(data, figures, policy, topology)
+        e2e = figures["e2e_ms"]
+        self.say(f"{what} -> {figures['ok']}/{figures['published']} ok, {figures['throughput']:.2f} jobs/s, "
+                 f"e2e p50 {e2e['p50']:.0f} p99 {e2e['p99']:.0f} ms, mean batch {figures['mean_batch']}")
+        if record:
+            self.runs.append(run)
+        return run
+
+    def simulate(self, data: RunData, figures: dict[str, Any], policy: Policy, topology: Topology) -> dict[str, Any]:
+        """The batcher fed the run's own arrivals, twice: with t(b) of the model alone, and with
+        t(b) scaled by how much slower batches executed inside the pipeline in this run. If the
+        second matches the measured inference-stage latency, the queueing model holds and the
+        gap to the first is the cost of sharing the machine with the other stages."""
+        assert self.curve is not None
+        curve = self.curve
+        inflation = execute_inflation(figures, curve)
+
+        def run(service: Any) -> dict[str, Any]:
+            return simulate.simulate(
+                data.offsets_s, policy.sim(), service, replicas=topology.replicas,
+                extra_ms=topology.inference_delays_ms, seed=self.cfg.seed,
+            ).to_dict()
+
+        return {**run(curve.batch_ms), "execute_inflation": round(inflation, 3),
+                "in_pipeline": run(lambda b: curve.batch_ms(b) * inflation)}
+
+    # Summaries -------------------------------------------------------------------------------------
+    def memory(self) -> dict[str, Any]:
+        rss = {name: round(v / 1024**2, 1) for name, v in sorted(self.sampler.peak_rss.items())}
+        gpu = {}
+        for run in self.runs:
+            for name, m in run.get("inference_metrics", {}).items():
+                gpu[name] = max(gpu.get(name, 0), m.get("gpu_memory_bytes", 0))
+        return {
+            "peak_rss_mib": rss,
+            "inference_gpu_peak_mib": {k: round(v / 1024**2, 1) for k, v in gpu.items()},
+            "model_alone_gpu_peak_mib": round((self.curve.gpu_peak_bytes if self.curve else 0) / 1024**2, 1),
+            "gpu_used_peak_mib": self.sampler.gpu_mem_peak_mib or None,
+        }
+
+    def simulation_curves(self) -> dict[str, Any]:
+        """Model-only latency curves for off/static/headline over loads up to saturation."""
+        assert self.curve is not None
+        top = self.curve.throughput(self.curve.best_batch)
+        rates = [top * f for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)]
+        out = {}
+        for name in ("off", "static", "headline"):
+            policy = self.policies[name]
+            out[policy.label] = {
+                "saturation": round(simulate.saturation(policy.sim(), self.curve.batch_ms), 3),
+                "points": simulate.load_curve(policy.sim(), self.curve.batch_ms, rates, self.cfg.seed, items=1500),
+            }
+        return out
+
+
+def execute_inflation(figures: dict[str, Any], curve: ModelCurve) -> float:
+    """Item-weighted mean of (execute time in the pipeline / t(b) alone) over the batch sizes
+    the run produced; 1.0 when nothing ran."""
+    weighted = total = 0.0
+    for size, measured in figures["execute_ms_by_batch"].items():
+        items = figures["batch_items"].get(size, 0)
+        weighted += items * measured / curve.batch_ms(int(size))
+        total += items
+    return weighted / total if total else 1.0
+
+
+def plan_policies(curve: ModelCurve, cfg: BenchConfig) -> dict[str, Any]:
+    """Off, static at b*, the headline dynamic (b*, max_wait = t(1)), and the sweep of max
+    batch {b*/4, b*/2, b*} x max_wait {factors x t(1)}. Waits scale with t(1) so the same
+    sweep means the same thing on a CPU (tens of ms) and a GPU (a few ms)."""
+    best = curve.best_batch
+    unit = curve.batch_ms(1)
+
+    def wait(factor: float) -> float:
+        return max(round(unit * factor * 2) / 2, 0.5)  # half-millisecond steps
+
+    headline = Policy("dynamic", best, wait(cfg.headline_wait_factor))
+    sizes = sorted({b for b in (best // 4, best // 2, best) if b >= 2}) or [best]
+    sweep = [Policy("dynamic", b, wait(f)) for b in sizes for f in cfg.sweep_wait_factors]
+    return {"off": Policy("off", 1), "static": Policy("static", best), "headline": headline, "sweep": sweep}
+
+
+def free_port_block(span: int) -> int:
+    """A base port whose next `span` ports are all free on loopback (stage metrics ports)."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1]
+        if base + span < 65535 and all(_free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError("no block of free ports for the stage metrics servers")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+

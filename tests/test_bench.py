@@ -1,0 +1,82 @@
+"""The benchmark harness, not the benchmark: a tiny run completes and its numbers hang
+together. What it measures is not asserted (that is the benchmark's job, on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmpipe.bench import simulate, traffic
+from mmpipe.bench.config import BenchConfig
+from mmpipe.bench.runner import run_bench
+
+
+def test_schedules_are_seeded_and_shaped():
+    assert traffic.poisson(20, 5, seed=1) == traffic.poisson(20, 5, seed=1)
+    assert traffic.poisson(20, 5, seed=1) != traffic.poisson(20, 5, seed=2)
+    burst = traffic.bursty(on_rate=50, on_s=1, off_s=2, duration_s=9, seed=3)
+    assert all(a.offset_s % 3 < 1 for a in burst)  # nothing in the off periods
+    mixed = traffic.poisson(200, 5, seed=4, modality="mixed")
+    assert {a.modality for a in mixed} == set(traffic.MIXED_SHARES)
+
+
+def test_simulated_batcher_follows_the_policy_rules():
+    t = lambda b: 10.0 + 2.0 * b  # ms per batch
+    flood = [0.0] * 64
+    assert simulate.simulate(flood, simulate.SimPolicy("off", 1), t).mean_batch == 1
+    full = simulate.simulate(flood, simulate.SimPolicy("dynamic", 8, 0.005), t)
+    assert full.mean_batch == 8 and full.throughput == pytest.approx(8 / 0.026, rel=1e-3)
+    # A lone item waits max_wait (dynamic) or the static timeout, then runs alone.
+    lone = simulate.simulate([0.0], simulate.SimPolicy("dynamic", 8, 0.005), t)
+    assert lone.p50_ms == pytest.approx(5 + 12)
+    static = simulate.simulate([0.0], simulate.SimPolicy("static", 8, static_timeout_s=0.1), t)
+    assert static.p50_ms == pytest.approx(100 + 12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_tiny_benchmark_run_is_consistent(tmp_path):
+    cfg = BenchConfig.quick_preset(
+        out_dir=tmp_path / "bench",
+        device="cpu",
+        torch_threads=1,
+        scenarios=("poisson",),
+        policies=("dynamic", "off"),
+        max_batch_cap=4,
+        model_seconds_per_size=0.3,
+        model_rounds=1,
+        decode_clip_s=1.0,
+        decode_repeats=1,
+        flood_seconds=1.0,
+        flood_jobs_min=8,
+        warmup_jobs_min=2,
+        poisson_s=3.0,
+        result_timeout_s=120.0,
+    )
+    result = run_bench(cfg)
+
+    written = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert written["runs"] and (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
+    assert {run["scenario"] for run in result["runs"]} == {"flood", "poisson"}
+    assert {run["label"] for run in result["runs"]} >= {"off", result["policies"]["headline"]["label"]}
+    for run in result["runs"]:
+        s = run["stats"]
+        assert s["results"] == s["published"] == s["ok"] > 0, run["label"]
+        assert s["missing"] == 0
+        e2e = s["e2e_ms"]
+        assert 0 < e2e["p50"] <= e2e["p95"] <= e2e["p99"] <= e2e["max"]
+        assert sum(float(n) for n in s["batch_items"].values()) == s["ok"]
+        assert s["throughput"] > 0
+        assert sum(s["breakdown_ms"].values()) == pytest.approx(e2e["mean"], rel=0.02, abs=2.0)  # spans tile the path
+        sim = run["sim"]
+        assert sim["items"] == s["published"] and 0 < sim["p50_ms"] <= sim["p95_ms"] <= sim["p99_ms"]
+        assert run["resources"]["peak_rss_mib"] and "inference-0" in run["resources"]["cpu_cores"]
+    assert result["model_alone"]["points"][0]["batch_size"] == 1
+    assert 0 < result["decode"]["ratio"]
+    assert all(label in result["saturation"] for label in ("off", result["policies"]["headline"]["label"]))
+    names = {t["name"]: t for t in result["targets"]}
+    assert all(t["status"] in ("PASS", "MISS", "N/A") for t in names.values())
+    assert names["pipeline / model-alone throughput"]["measured"] > 0
+    assert result["meta"]["packages"]["torch"] and result["meta"]["cpu_count"]
