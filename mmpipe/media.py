@@ -56,12 +56,30 @@ class DecodedMedia:
 Source = bytes | str | Path
 
 
+# Inline bytes have no file name, so FFmpeg probes every demuxer over the buffer; for a JPEG
+# that probe goes on through the whole file (about 10 ms for an 80 KB 640x480 JPEG, ten times
+# its decode). A file path is hinted by its extension instead. Known signatures get their
+# demuxer named; anything else, or a hint that fails to open, gets the full probe as before.
+_SIGNATURES = ((b"\xff\xd8\xff", "jpeg_pipe"),)
+
+
+def _sniff(data: bytes) -> str | None:
+    return next((fmt for magic, fmt in _SIGNATURES if data.startswith(magic)), None)
+
+
 def _open(source: Source) -> av.container.InputContainer:
     try:
         if isinstance(source, (bytes, bytearray, memoryview)):
             if len(source) == 0:
                 raise MediaError("empty_payload", "payload has no bytes")
-            return av.open(io.BytesIO(bytes(source)), mode="r")
+            data = bytes(source)
+            hint = _sniff(data)
+            if hint is not None:
+                try:
+                    return av.open(io.BytesIO(data), mode="r", format=hint)
+                except av.error.FFmpegError:
+                    pass  # not what it looked like: let FFmpeg probe
+            return av.open(io.BytesIO(data), mode="r")
         return av.open(str(source), mode="r")
     except MediaError:
         raise
