@@ -39,6 +39,7 @@ class CurvePoint:
 @dataclass
 class ModelCurve:
     model: str
+    version: str
     weights: str
     device: str
     torch_threads: int
@@ -116,7 +117,7 @@ def measure_curve(
                 timed = _time_batches(model, [example] * b, seconds_per_size / rounds)
                 cpu[b] += time.process_time() - cpu_start
                 timings[b] += timed
-        curve = ModelCurve(spec.config.name, model.weights, model.device, torch.get_num_threads())
+        curve = ModelCurve(spec.config.name, spec.config.version, model.weights, model.device, torch.get_num_threads())
         for b in sizes:
             median_ms = float(np.median(timings[b])) * 1000.0
             cpu_ms = cpu[b] * 1000.0 / (b * len(timings[b]))

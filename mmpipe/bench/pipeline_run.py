@@ -25,7 +25,7 @@ from mmpipe.bench.workload import Workload
 from mmpipe.client import Publisher
 from mmpipe.settings import BatchingSettings, Settings
 from mmpipe.store.base import load_result
-from mmpipe.supervisor import STAGES, Pipeline
+from mmpipe.supervisor import STAGES, Pipeline, tail
 from schemas import JobResult
 
 
@@ -186,11 +186,19 @@ class BenchPipeline:
             # Lag keeps being sampled while the pipeline drains what was just published.
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and await asyncio.to_thread(self._count, tag) < len(sends):
+                self._check_alive()
                 await asyncio.sleep(0.5)
             await lag.sample()
             peaks = dict(lag.peaks)
         lag_ms = stats.percentiles(late)
         return len(sends), {"p99": lag_ms["p99"], "max": lag_ms["max"]}, peaks
+
+    def _check_alive(self) -> None:
+        """A dead stage would only show up as a timeout ten minutes later: fail now, with why."""
+        for proc in self.pipeline.processes:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited with {proc.process.returncode} during the run; "
+                                   f"log {proc.log_path}:\n{tail(proc.log_path)}")
 
     def _count(self, tag: str) -> int:
         with self._read() as conn:
@@ -201,7 +209,7 @@ class BenchPipeline:
             rows = conn.execute("SELECT body FROM results WHERE job_id LIKE ?", (f"{tag}-%",)).fetchall()
         return [load_result(body) for (body,) in rows]
 
-    def _read(self) -> sqlite3.Connection:
+    def _read(self) -> _Reader:
         """A plain reader: WAL lets it read beside the sink's writes without taking the write
         lock the store's own transactions take (BEGIN IMMEDIATE), so polling costs the sink nothing."""
         return _Reader(self.db_path)

@@ -38,15 +38,19 @@ def header(result: dict[str, Any]) -> str:
     m, alone = result["meta"], result["model_alone"]
     pk = m["packages"]
     gpu = f", GPU {m['gpu']} (CUDA {m.get('cuda')})" if m.get("gpu") else ""
-    others = [run["resources"]["other_busy_cores"] for run in result["runs"]]
-    contention = max(others) if others else 0.0
+    contention = _contention(result)
     return (
         f"[bold]mmpipe bench[/] {m['git_commit']}  {m['cpu']} x{m['cpu_count']}{gpu}, {m['memory_gib']} GiB; "
         f"device {m['device']}, torch {pk['torch']} ({m['torch_threads']} threads/stage), torchvision {pk['torchvision']}, "
         f"av {pk['av']} (libavcodec {m['ffmpeg'].get('libavcodec')}), faust {pk['faust-streaming']}\n"
-        f"model {alone['model']} weights={alone['weights']} on {alone['device']}; replicas {m['replicas']}; "
+        f"model {alone['model']}:{alone['version']} weights={alone['weights']} on {alone['device']}; replicas {m['replicas']}; "
         f"load from other processes up to {contention:.2f} cores during runs; took {m['duration_s']:.0f}s"
     )
+
+
+def _contention(result: dict[str, Any]) -> float:
+    """Most CPU that processes other than ours used during a run (a shared machine)."""
+    return max((run["resources"]["other_busy_cores"] for run in result["runs"]), default=0.0)
 
 
 def model_table(result: dict[str, Any]) -> Table:
@@ -137,8 +141,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     _latency_throughput(ax, result)
     _model_curve(ax_model, result)
     m = result["meta"]
-    fig.suptitle(f"mmpipe bench {m['git_commit']}: {result['model_alone']['model']} ({result['model_alone']['weights']} weights) "
-                 f"on {m['device']}, {m['cpu_count']} CPUs{', ' + m['gpu'] if m.get('gpu') else ''}", fontsize=11)
+    fig.suptitle(f"mmpipe bench {m['git_commit']}: {result['model_alone']['model']}:{result['model_alone']['version']} "
+                 f"({result['model_alone']['weights']} weights), torch {m['packages']['torch']}, {m['torch_threads']} threads/stage, "
+                 f"on {m['device']}, {m['cpu_count']} CPUs{', ' + m['gpu'] if m.get('gpu') else ''}\n"
+                 f"{m['cpu']}; other processes used up to {_contention(result):.2f} cores during the runs", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 

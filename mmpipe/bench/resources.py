@@ -41,8 +41,7 @@ class ResourceSampler:
         self.interval_s = interval_s
         self.gpu = gpu and shutil.which("nvidia-smi") is not None
         self._procs: dict[str, psutil.Process] = {}
-        self._cpu: dict[str, float] = {}  # last CPU seconds seen per name
-        self._cpu_base: dict[str, float] = {}  # CPU of earlier processes under the same name
+        self._cpu: dict[str, float] = {}  # last CPU seconds seen per name (windows never span a restart)
         self.peak_rss: dict[str, int] = {}
         self.gpu_mem_peak_mib = 0.0
         self._window: _Window | None = None
@@ -55,9 +54,6 @@ class ResourceSampler:
     def watch(self, name: str, pid: int) -> None:
         """Follow a process under a stable name; a restarted stage keeps its name."""
         with self._lock:
-            old = self._procs.get(name)
-            if old is not None and old.pid != pid:
-                self._cpu_base[name] = self._cpu.get(name, 0.0)
             try:
                 self._procs[name] = psutil.Process(pid)
             except psutil.NoSuchProcess:
@@ -124,7 +120,7 @@ class ResourceSampler:
         gpu = self._gpu_reading()
         with self._lock:
             for name, (cpu, rss) in readings.items():
-                self._cpu[name] = self._cpu_base.get(name, 0.0) + cpu
+                self._cpu[name] = cpu
                 self.peak_rss[name] = max(self.peak_rss.get(name, 0), rss)
                 if self._window is not None:
                     self._window.peak_rss[name] = max(self._window.peak_rss.get(name, 0), rss)
@@ -152,7 +148,9 @@ class ResourceSampler:
 
 def _busy_cores(before: Any, after: Any, wall: float) -> float:
     def busy(t: Any) -> float:
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        # Linux counts guest time inside user time as well; iowait is idle.
+        extra = sum(getattr(t, f, 0.0) for f in ("iowait", "guest", "guest_nice"))
+        return sum(t) - t.idle - extra
 
     return (busy(after) - busy(before)) / wall
 

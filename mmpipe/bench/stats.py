@@ -44,6 +44,8 @@ def run_stats(results: list[JobResult], published: int, flood: bool) -> dict[str
         "results": len(results),
         "ok": len(ok),
         "statuses": dict(statuses),
+        # Which model versions and weights answered (random weights: timings real, labels not).
+        "models": dict(Counter(f"{r.model.name}:{r.model.version} ({r.weights})" for r in results if r.model)),
         "throughput": round(_steady_throughput(ok) if flood else _throughput(ok), 3),
         "e2e_ms": percentiles([r.timings.end_to_end_ms for r in ok]),
         # Time in the inference stage's batcher plus execution: what the simulation models.
@@ -79,11 +81,13 @@ def _tail_breakdown(ok: list[JobResult]) -> dict[str, float]:
 
 
 def _throughput(ok: list[JobResult]) -> float:
-    """Completed jobs over the span from the first creation to the last completion."""
-    if not ok:
+    """Completions per second between the first and the last completion: the offered rate
+    when the pipeline keeps up, its capacity when it does not (first creation to last
+    completion would bill one end-to-end latency to a short run)."""
+    done = sorted(r.completed_at for r in ok)
+    if len(done) < 2 or done[-1] <= done[0]:
         return 0.0
-    span = max(r.completed_at for r in ok) - min(r.created_at for r in ok)
-    return len(ok) / span if span > 0 else 0.0
+    return (len(done) - 1) / (done[-1] - done[0])
 
 
 def _steady_throughput(ok: list[JobResult]) -> float:
