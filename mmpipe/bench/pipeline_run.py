@@ -29,6 +29,10 @@ from mmpipe.supervisor import STAGES, Pipeline, tail
 from schemas import JobResult
 
 
+# No new result for this long, with every stage group fully committed: the missing jobs are lost.
+STALL_S = 15.0
+
+
 @dataclass(frozen=True)
 class Policy:
     mode: str  # off | static | dynamic
@@ -184,14 +188,29 @@ class BenchPipeline:
                 sends.append(asyncio.ensure_future(publisher.publish(workload.event(arrival.modality, tag))))
             await asyncio.gather(*sends)
             # Lag keeps being sampled while the pipeline drains what was just published.
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and await asyncio.to_thread(self._count, tag) < len(sends):
-                self._check_alive()
-                await asyncio.sleep(0.5)
-            await lag.sample()
+            await self._drain(tag, len(sends), lag, timeout_s)
             peaks = dict(lag.peaks)
         lag_ms = stats.percentiles(late)
         return len(sends), {"p99": lag_ms["p99"], "max": lag_ms["max"]}, peaks
+
+    async def _drain(self, tag: str, count: int, lag: LagSampler, timeout_s: float) -> None:
+        """Until every job has a result; or the timeout; or no result came for STALL_S while
+        every stage group had committed everything (nothing in flight): those jobs are lost,
+        and waiting out the timeout would only hide it (seen before faust's drop of records
+        fetched for a partition paused mid-batch was fixed in streams/transport.py)."""
+        deadline = time.monotonic() + timeout_s
+        done, progress_at = 0, time.monotonic()
+        while time.monotonic() < deadline:
+            now_done = await asyncio.to_thread(self._count, tag)
+            if now_done >= count:
+                break
+            if now_done > done:
+                done, progress_at = now_done, time.monotonic()
+            elif time.monotonic() - progress_at > STALL_S and lag.idle():
+                break
+            self._check_alive()
+            await asyncio.sleep(0.5)
+        await lag.sample()
 
     def _check_alive(self) -> None:
         """A dead stage would only show up as a timeout ten minutes later: fail now, with why."""

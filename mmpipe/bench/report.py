@@ -30,6 +30,10 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     console.print(header(result))
     console.print(model_table(result))
     console.print(runs_table(result))
+    lost = sum(run["stats"]["missing"] for run in result["runs"])
+    if lost:
+        console.print(f"[red]{lost} published job(s) never got a result[/] although every stage had committed past "
+                      "them: lost on the way; the runs' ok/pub columns say where")
     console.print(breakdown_table(result))
     console.print(targets_table(result))
 

@@ -163,6 +163,7 @@ class LagSampler:
         self.settings = settings
         self.interval_s = interval_s
         self.peaks: dict[str, int] = {}
+        self.last: dict[str, int] = {}  # the latest reading per stage
         self._reader: LagReader | None = None
         self._task: asyncio.Task | None = None
 
@@ -194,7 +195,12 @@ class LagSampler:
             except Exception:  # telemetry: a failed read must not fail the run
                 continue
             lag = sum(row.lag for row in rows)
+            self.last[stage] = lag
             self.peaks[stage] = max(self.peaks.get(stage, 0), lag)
+
+    def idle(self) -> bool:
+        """Every stage has committed all it was given (nothing is in flight anywhere)."""
+        return len(self.last) == len(STAGE_GROUPS) and all(lag <= 0 for lag in self.last.values())
 
 
 def scrape(port: int, timeout_s: float = 2.0) -> dict[str, float]:
