@@ -43,8 +43,8 @@ class BenchConfig:
     poisson_s: float = 20.0
     load_ladder: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)  # for off, static and the headline
     sweep: bool = True  # dynamic over max batch x max wait (at TARGET_LOAD only)
-    # max_wait as multiples of t(1); with the headline (b*, 1 x t(1)) the sweep is 3 sizes x 3 waits
-    # on b* and 2 waits on the smaller sizes, which keeps a full run near 20 minutes on 2 cores.
+    # max_wait as multiples of t(1), for max batch b*/2, b*, 2b*; with the headline (b*, 1 x t(1))
+    # b* gets three waits, which keeps a full run near 20 minutes on 2 cores.
     sweep_wait_factors: tuple[float, ...] = (0.25, 2.0)
     headline_wait_factor: float = 1.0
     bursty_s: float = 36.0

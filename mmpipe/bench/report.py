@@ -201,5 +201,7 @@ def _model_curve(ax: Any, result: dict[str, Any]) -> None:
     twin = ax.twinx()
     twin.plot(sizes, [p["batch_ms"] for p in points], "s--", color="tab:gray", label="ms/batch")
     twin.set_ylabel("ms per batch t(b)", color="tab:gray")
+    ax.set_ylim(bottom=0)  # a flat curve (a CPU) should look flat
+    twin.set_ylim(bottom=0)
     ax.set_title(f"model alone (best b={result['model_alone']['best_batch']})")
     ax.grid(True, alpha=0.3)

@@ -353,8 +353,9 @@ def execute_inflation(figures: dict[str, Any], curve: ModelCurve) -> float:
 
 def plan_policies(curve: ModelCurve, cfg: BenchConfig) -> dict[str, Any]:
     """Off, static at b*, the headline dynamic (b*, max_wait = t(1)), and the sweep of max
-    batch {b*/4, b*/2, b*} x max_wait {factors x t(1)}. Waits scale with t(1) so the same
-    sweep means the same thing on a CPU (tens of ms) and a GPU (a few ms)."""
+    batch {b*/2, b*, 2 b*} (within what the model alone was measured at) x max_wait {factors x
+    t(1)}. Waits scale with t(1) so the same sweep means the same thing on a CPU (tens of ms)
+    and a GPU (a few ms); sizes straddle b* because on a flat curve (a CPU) b* is near noise."""
     best = curve.best_batch
     unit = curve.batch_ms(1)
 
@@ -362,7 +363,8 @@ def plan_policies(curve: ModelCurve, cfg: BenchConfig) -> dict[str, Any]:
         return max(round(unit * factor * 2) / 2, 0.5)  # half-millisecond steps
 
     headline = Policy("dynamic", best, wait(cfg.headline_wait_factor))
-    sizes = sorted({b for b in (best // 4, best // 2, best) if b >= 2}) or [best]
+    largest = max(p.batch_size for p in curve.points)
+    sizes = sorted({b for b in (best // 2, best, best * 2) if 2 <= b <= largest}) or [best]
     sweep = [Policy("dynamic", b, wait(f)) for b in sizes for f in cfg.sweep_wait_factors]
     return {"off": Policy("off", 1), "static": Policy("static", best), "headline": headline, "sweep": sweep}
 
