@@ -8,15 +8,14 @@ returns to zero afterwards. Used by the overload test (short) and `mmpipe overlo
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import orjson
-import psutil
 
+from mmpipe.bench.resources import ResourceSampler
 from mmpipe.client import Publisher, make_event
 from mmpipe.settings import BatchingSettings, Settings
 from mmpipe.store import open_store
@@ -79,24 +78,6 @@ OVERLOAD_OVERRIDES = {
 }
 
 
-class RssSampler(threading.Thread):
-    def __init__(self, pipeline: Pipeline) -> None:
-        super().__init__(daemon=True)
-        self.pipeline = pipeline
-        self.peak: Counter[str] = Counter()
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            for proc in self.pipeline.processes:
-                try:
-                    rss = psutil.Process(proc.process.pid).memory_info().rss
-                except psutil.Error:
-                    continue
-                self.peak[proc.name] = max(self.peak[proc.name], rss)
-            time.sleep(0.25)
-
-
 async def _publish_at(settings: Settings, rate: float, seconds: float, deadline_s: float) -> list[str]:
     ids = []
     async with Publisher(settings) as publisher:
@@ -128,7 +109,9 @@ def run_overload(pipeline: Pipeline, sustainable_rate: float, factor: float, sec
     settings = pipeline.settings
     report = OverloadReport(sustainable_rate, sustainable_rate * factor, seconds, deadline_s,
                             memory_budget_mb=settings.memory_budget_bytes / 2**20)
-    sampler = RssSampler(pipeline)
+    sampler = ResourceSampler(interval_s=0.25)
+    for proc in pipeline.processes:
+        sampler.watch(proc.name, proc.process.pid)
     sampler.start()
     try:
         ids = asyncio.run(_publish_at(settings, report.arrival_rate, seconds, deadline_s))
@@ -140,9 +123,8 @@ def run_overload(pipeline: Pipeline, sustainable_rate: float, factor: float, sec
                 break
             time.sleep(0.5)
     finally:
-        sampler.stopped.set()
-        sampler.join()
-    report.peak_rss_mb = {name: round(rss / 2**20, 1) for name, rss in sorted(sampler.peak.items())}
+        sampler.stop()
+    report.peak_rss_mb = {name: round(rss / 2**20, 1) for name, rss in sorted(sampler.peak_rss.items())}
     _summarise_results(report, settings, ids)
     return report
 

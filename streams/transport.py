@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+import logging
 from typing import Any
 
 from faust.transport.consumer import ensure_TPset
@@ -24,6 +25,8 @@ from faust.types import TP
 
 from faust.transport.drivers import TRANSPORTS
 from faust.transport.drivers import aiokafka as faust_aiokafka
+
+log = logging.getLogger(__name__)
 
 SCHEME = "mmkafka"
 FETCH_MAX_WAIT_MS = {"value": 20}
@@ -70,6 +73,12 @@ class Consumer(faust_aiokafka.Consumer):
             return {}, active_partitions
         finally:
             self.not_waiting_next_records.set()
+
+    async def _add_gap(self, tp: TP, offset_from: int, offset_to: int) -> None:
+        # faust treats offsets it never saw as done; on a log without holes that means records
+        # were skipped, which would be lost from this group: make it visible.
+        log.warning("consumer skipped offsets %d-%d of %s/%d (treated as a gap)", offset_from, offset_to, tp.topic, tp.partition)
+        await super()._add_gap(tp, offset_from, offset_to)
 
     def on_buffer_drop(self, tp: TP) -> None:
         if tp in self._paused_partitions:
