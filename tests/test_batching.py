@@ -175,3 +175,30 @@ async def test_deadline_passing_in_the_queue_answers_expired():
             await asyncio.wait_for(batcher.submit("x", deadline_wall=time.time() + 0.05), 2.0)
     finally:
         await batcher.stop()
+
+
+# The commit rule (streams/transport.py): never commit past unfinished work ------------------
+from streams.transport import first_committable_run  # noqa: E402
+
+
+def test_commit_waits_for_the_message_at_the_committed_offset():
+    # faust's own check let this through and committed 43, past the unfinished offset 41
+    assert first_committable_run([42], committed=41, lowest_unacked=41) == []
+    assert first_committable_run([41, 42, 44], committed=41, lowest_unacked=43) == [41, 42]
+
+
+def test_before_the_first_commit_the_lowest_unfinished_message_bounds_the_commit():
+    assert first_committable_run([5, 6], committed=None, lowest_unacked=4) == []
+    assert first_committable_run([5, 6, 8], committed=None, lowest_unacked=7) == [5, 6]
+    assert first_committable_run([5, 6], committed=None, lowest_unacked=None) == [5, 6]
+
+
+@settings(max_examples=300, deadline=None)
+@given(done=st.sets(st.integers(0, 40)), committed=st.integers(0, 20))
+def test_committed_offset_never_passes_an_unfinished_message(done, committed):
+    acked = sorted(o for o in done if o >= committed)
+    unfinished = [o for o in range(committed, 41) if o not in done]
+    run = first_committable_run(acked, committed, min(unfinished, default=None))
+    new_committed = run[-1] + 1 if run else committed
+    assert all(o >= new_committed for o in unfinished)
+    assert all(o in done for o in range(committed, new_committed))
