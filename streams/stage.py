@@ -230,7 +230,6 @@ class StageRuntime:
             metrics=self.metrics,
         )
         self._tasks: set[asyncio.Task] = set()
-        self._stopping = False
         channel = self.app.topic(*stage.input_topics, partitions=self.settings.partitions)
         self.app.agent(channel, name=f"{stage.name}-agent")(self._agent)
         self.app.timer(self.settings.lag_interval_s)(self._watch_lag)
@@ -259,7 +258,6 @@ class StageRuntime:
         log.info("stage %s started; consuming %s", self.stage.name, ", ".join(self.stage.input_topics))
 
     async def _on_shutdown(self, app: Any, **_: Any) -> None:
-        self._stopping = True
         await self.stage.stop()
         if self._lag_reader is not None:
             await self._lag_reader.close()
