@@ -36,7 +36,9 @@ class BenchConfig:
     decode_repeats: int = 5
     # Pipeline phases
     warmup_jobs_min: int = 8
-    flood_seconds: float = 8.0  # flood size: about this many seconds of model-alone work
+    # Saturation run: closed loop, FLOOD_OUTSTANDING jobs in flight; its size is about this
+    # many seconds of model-alone work.
+    flood_seconds: float = 8.0
     flood_jobs_min: int = 40
     flood_jobs_max: int = 2000
     static_flood: bool = True  # static's saturation is informational (no target uses it)

@@ -31,6 +31,8 @@ from schemas import JobResult
 
 # No new result for this long, with every stage group fully committed: the missing jobs are lost.
 STALL_S = 15.0
+# How often the closed loop (saturation run) looks for completions; short against a batch.
+CLOSED_LOOP_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -155,16 +157,18 @@ class BenchPipeline:
                 self.sampler.watch(proc.name, proc.process.pid)
 
     # Runs ----------------------------------------------------------------------------------
-    def run(self, schedule: list[Arrival], workload: Workload, tag: str, timeout_s: float) -> RunData:
+    def run(self, schedule: list[Arrival], workload: Workload, tag: str, timeout_s: float, outstanding: int = 0) -> RunData:
+        """Publish at the scheduled offsets; or, with `outstanding`, closed loop: the schedule's
+        offsets are ignored and a job is sent whenever fewer than `outstanding` are unanswered."""
         flushes_before = self._flushes()
         self.sampler.begin()
-        published, send_lag, lag_peak = asyncio.run(self._publish(schedule, workload, tag, timeout_s))
+        published, sent_at, send_lag, lag_peak = asyncio.run(self._publish(schedule, workload, tag, timeout_s, outstanding))
         resources = self.sampler.end()
         results = self._fetch(tag)
         return RunData(
             results=results,
             published=published,
-            offsets_s=[a.offset_s for a in schedule],
+            offsets_s=sent_at if outstanding else [a.offset_s for a in schedule],
             send_lag_ms=send_lag,
             lag_peak=lag_peak,
             resources=resources,
@@ -173,25 +177,38 @@ class BenchPipeline:
         )
 
     async def _publish(
-        self, schedule: list[Arrival], workload: Workload, tag: str, timeout_s: float
-    ) -> tuple[int, dict[str, float], dict[str, int]]:
+        self, schedule: list[Arrival], workload: Workload, tag: str, timeout_s: float, outstanding: int
+    ) -> tuple[int, list[float], dict[str, float], dict[str, int]]:
         loop = asyncio.get_running_loop()
         late: list[float] = []
+        sent_at: list[float] = []
+        deadline = time.monotonic() + timeout_s
         async with Publisher(self.settings) as publisher, LagSampler(self.settings) as lag:
             sends = []
             start = loop.time() + 0.05
             for arrival in schedule:
-                delay = start + arrival.offset_s - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                late.append(max(loop.time() - start - arrival.offset_s, 0.0) * 1000.0)
+                if outstanding:
+                    await self._until_fewer_unanswered(tag, len(sends), outstanding, deadline)
+                else:
+                    delay = start + arrival.offset_s - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    late.append(max(loop.time() - start - arrival.offset_s, 0.0) * 1000.0)
+                sent_at.append(loop.time() - start)
                 sends.append(asyncio.ensure_future(publisher.publish(workload.event(arrival.modality, tag))))
             await asyncio.gather(*sends)
             # Lag keeps being sampled while the pipeline drains what was just published.
-            await self._drain(tag, len(sends), lag, timeout_s)
+            await self._drain(tag, len(sends), lag, max(deadline - time.monotonic(), 0.0))
             peaks = dict(lag.peaks)
         lag_ms = stats.percentiles(late)
-        return len(sends), {"p99": lag_ms["p99"], "max": lag_ms["max"]}, peaks
+        return len(sends), sent_at, {"p99": lag_ms["p99"], "max": lag_ms["max"]}, peaks
+
+    async def _until_fewer_unanswered(self, tag: str, sent: int, outstanding: int, deadline: float) -> None:
+        """Closed loop: wait until fewer than `outstanding` of the `sent` jobs lack a result (or
+        the run's deadline passed; the drain then reports what is missing)."""
+        while sent - await asyncio.to_thread(self._count, tag) >= outstanding and time.monotonic() < deadline:
+            self._check_alive()
+            await asyncio.sleep(CLOSED_LOOP_POLL_S)
 
     async def _drain(self, tag: str, count: int, lag: LagSampler, timeout_s: float) -> None:
         """Until every job has a result; or the timeout; or no result came for STALL_S while
@@ -221,11 +238,11 @@ class BenchPipeline:
 
     def _count(self, tag: str) -> int:
         with self._read() as conn:
-            return conn.execute("SELECT COUNT(*) FROM results WHERE job_id LIKE ?", (f"{tag}-%",)).fetchone()[0]
+            return conn.execute("SELECT COUNT(*) FROM results WHERE job_id >= ? AND job_id < ?", _ids_of(tag)).fetchone()[0]
 
     def _fetch(self, tag: str) -> list[JobResult]:
         with self._read() as conn:
-            rows = conn.execute("SELECT body FROM results WHERE job_id LIKE ?", (f"{tag}-%",)).fetchall()
+            rows = conn.execute("SELECT body FROM results WHERE job_id >= ? AND job_id < ?", _ids_of(tag)).fetchall()
         return [load_result(body) for (body,) in rows]
 
     def _read(self) -> _Reader:
@@ -253,6 +270,12 @@ class BenchPipeline:
                 "batch_flushes": {k: int(v - before.get(k, 0)) for k, v in _triggers(values, self.model).items() if v - before.get(k, 0)},
             }
         return out
+
+
+def _ids_of(tag: str) -> tuple[str, str]:
+    """The job_id range of a run's jobs ("<tag>-..."): an index seek, where LIKE scans the
+    whole index (the closed loop counts every few milliseconds)."""
+    return f"{tag}-", f"{tag}."
 
 
 def _triggers(values: dict[str, float], model: str) -> dict[str, float]:

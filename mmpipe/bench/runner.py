@@ -3,8 +3,8 @@
 1. decode: decode_video vs a bare PyAV loop on a 720p clip (before anything else runs);
 2. model alone: t(b) over batch sizes, the best batch size b*, the batching gain;
 3. the real pipeline, started once. Per policy (inference restarted with it, then warmed up):
-   a flood (saturation throughput) and Poisson runs at shares of the headline policy's
-   saturation (the latency/throughput curve; 70% is the latency check), bursty on/off
+   a flood (saturation: closed loop, a fixed number of jobs outstanding) and Poisson runs at
+   shares of the headline policy's saturation (the latency/throughput curve; 70% is the latency check), bursty on/off
    traffic, mixed modalities, and two inference replicas with one slowed down;
 4. the queueing simulation of every run, with the measured t(b) and the same arrivals;
 5. targets as measured ratios, and the report (terminal table, JSON, PNG).
@@ -214,10 +214,17 @@ class Runner:
             self._warm = True
 
     def flood(self, policy: Policy) -> None:
+        """Saturation, closed loop (like perf_analyzer's concurrency mode): a fixed number of
+        jobs outstanding, a new one sent as each completes. Every stage then runs at the
+        pipeline's pace. An all-at-once flood let decode finish early and then timed the
+        inference stage with the machine to itself (+50% on 2 cores); open-loop overload
+        billed the pipeline for ingesting jobs it could not serve yet."""
         assert self.curve is not None
         size = int(self.curve.throughput(self.curve.best_batch) * self.cfg.flood_seconds)
         size = min(max(size, self.cfg.flood_jobs_min, 4 * policy.max_batch), self.cfg.flood_jobs_max)
-        run = self.execute(traffic.flood(size, self.cfg.modality, self.cfg.seed), "flood", policy, flood=True)
+        outstanding = flood_outstanding(policy)
+        run = self.execute(traffic.flood(size, self.cfg.modality, self.cfg.seed), "flood", policy,
+                           flood=True, outstanding=outstanding)
         self.saturation[policy.label] = run["stats"]["throughput"]
 
     def rate_at(self, load: float) -> float:
@@ -267,14 +274,14 @@ class Runner:
     def execute(
         self, schedule: list[traffic.Arrival], kind: str, policy: Policy, *, load: float | None = None,
         rate: float | None = None, flood: bool = False, topology: Topology = Topology(),
-        record: bool = True, simulate_it: bool = True,
+        record: bool = True, simulate_it: bool = True, outstanding: int = 0,
     ) -> dict[str, Any]:
         assert self.bench is not None and self.curve is not None
         self._tags += 1
         tag = f"r{self._tags}"
         what = f"{kind} {policy.label}" + (f" load {load:.0%}" if load is not None else "") + f": {len(schedule)} jobs"
         with self.console.status(f"{what}..."):
-            data = self.bench.run(schedule, self.work, tag, self.cfg.result_timeout_s)
+            data = self.bench.run(schedule, self.work, tag, self.cfg.result_timeout_s, outstanding)
         figures = data.stats(flood)
         run = {
             "tag": tag, "scenario": kind, "policy": asdict(policy), "label": policy.label,
@@ -338,6 +345,12 @@ class Runner:
                 "points": simulate.load_curve(policy.sim(), self.curve.batch_ms, rates, self.cfg.seed, items=1500),
             }
         return out
+
+
+def flood_outstanding(policy: Policy) -> int:
+    """Jobs kept in flight by the saturation run: enough for the batcher to always hold a few
+    full batches while others are in decode, preprocess and the sink."""
+    return 4 * policy.max_batch + 8
 
 
 def execute_inflation(figures: dict[str, Any], curve: ModelCurve) -> float:

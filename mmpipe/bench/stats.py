@@ -22,9 +22,9 @@ SPAN_STAGE = {
     "queue_inference_ms": "inference", "batch_wait_ms": "inference", "execute_ms": "inference",
     "queue_sink_ms": "sink", "sink_ms": "sink",
 }
-# Flood throughput is fitted between these completion quantiles: the ramp-up (empty pipeline)
-# and the tail (last partial batches) are not the steady state.
-STEADY = (0.1, 0.9)
+# Saturation throughput skips this share of the completions while fed: the ramp-up (an empty
+# pipeline filling) is not the steady state.
+STEADY_SKIP = 0.1
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -91,15 +91,18 @@ def _throughput(ok: list[JobResult]) -> float:
 
 
 def _steady_throughput(ok: list[JobResult]) -> float:
-    """Slope of completions over time in the middle of a flood. Jobs complete in clumps (a
-    batch at a time), so a least-squares line through the staircase is steadier than a count
-    between two chosen completions."""
+    """Slope of completions over time while the pipeline is still fed (completions up to the
+    last arrival), past the ramp-up. Jobs complete in clumps (a batch at a time), so a
+    least-squares line through the staircase is steadier than a count between two completions."""
+    if not ok:
+        return 0.0
+    last_arrival = max(r.created_at for r in ok)
     done = np.sort([r.completed_at for r in ok])
-    lo, hi = int(STEADY[0] * len(done)), int(STEADY[1] * len(done))
-    if hi - lo < 4 or done[hi - 1] <= done[lo]:
+    fed = done[done <= last_arrival]
+    lo = int(STEADY_SKIP * len(fed))
+    if len(fed) - lo < 4 or fed[-1] <= fed[lo]:
         return _throughput(ok)
-    slope = np.polyfit(done[lo:hi], np.arange(lo, hi), 1)[0]
-    return float(slope)
+    return float(np.polyfit(fed[lo:], np.arange(lo, len(fed)), 1)[0])
 
 
 def _batches(ok: list[JobResult]) -> dict[str, Any]:
