@@ -18,6 +18,10 @@ from mmpipe.store.base import StoreUnavailable
 from mmpipe.store.sql import SqlStore
 
 
+# OperationalError messages that mean the database is unavailable for now, not misused.
+OUTAGE_SIGNS = ("locked", "busy", "unable to open", "disk i/o", "readonly", "disk is full", "no such file")
+
+
 def sqlite_path(url: str) -> str:
     # sqlite:///relative/path.db, sqlite:////absolute/path.db, sqlite:///:memory:
     if not url.startswith("sqlite:///"):
@@ -54,16 +58,24 @@ class SqliteStore(SqlStore):
             cur.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         except sqlite3.OperationalError as exc:
             self._drop_connection()
-            raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc
+            raise self._classified(exc) from exc
         try:
             yield cur
             cur.execute("COMMIT")
         except sqlite3.OperationalError as exc:
             _rollback(conn)
-            raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc
+            raise self._classified(exc) from exc
         except BaseException:
             _rollback(conn)
             raise
+
+    def _classified(self, exc: sqlite3.OperationalError) -> Exception:
+        """An outage (locked, busy, file missing or unwritable, I/O) becomes StoreUnavailable,
+        which the sink waits out; anything else (no such column, syntax) is a bug the sink must
+        not retry forever, so it stays what it is."""
+        if any(sign in str(exc).lower() for sign in OUTAGE_SIGNS):
+            return StoreUnavailable(f"sqlite {self.path}: {exc}")
+        return exc
 
     def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
