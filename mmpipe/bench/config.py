@@ -36,8 +36,8 @@ class BenchConfig:
     decode_repeats: int = 5
     # Pipeline phases
     warmup_jobs_min: int = 8
-    # Saturation run: closed loop, FLOOD_OUTSTANDING jobs in flight; its size is about this
-    # many seconds of model-alone work.
+    # Saturation run: closed loop (runner.flood_outstanding jobs in flight); its size is about
+    # this many seconds of model-alone work.
     flood_seconds: float = 8.0
     flood_jobs_min: int = 40
     flood_jobs_max: int = 2000

@@ -4,8 +4,9 @@
 2. model alone: t(b) over batch sizes, the best batch size b*, the batching gain;
 3. the real pipeline, started once. Per policy (inference restarted with it, then warmed up):
    a flood (saturation: closed loop, a fixed number of jobs outstanding) and Poisson runs at
-   shares of the headline policy's saturation (the latency/throughput curve; 70% is the latency check), bursty on/off
-   traffic, mixed modalities, and two inference replicas with one slowed down;
+   shares of the headline policy's saturation (the latency/throughput curve; 70% is the
+   latency check), bursty on/off traffic, mixed modalities, and two inference replicas with
+   one slowed down;
 4. the queueing simulation of every run, with the measured t(b) and the same arrivals;
 5. targets as measured ratios, and the report (terminal table, JSON, PNG).
 """

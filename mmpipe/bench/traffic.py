@@ -39,7 +39,8 @@ def bursty(on_rate: float, on_s: float, off_s: float, duration_s: float, seed: i
 
 
 def flood(count: int, modality: str = "image", seed: int = 0) -> list[Arrival]:
-    """Everything at once: the closed-door test of the pipeline's maximum throughput."""
+    """Everything at once (warm-ups). The closed-loop saturation run takes only its modalities:
+    it sends each job when an earlier one completes, not at these offsets."""
     rng = np.random.default_rng(seed)
     return _label([0.0] * count, modality, rng)
 
