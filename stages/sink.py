@@ -26,8 +26,8 @@ from schemas import (
 )
 from streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage
 
-MERGE_GAP_S = 0.05
-GROUP_COMMIT_MAX = 256  # store calls per transaction  # speech segments split only by an audio window boundary are joined
+MERGE_GAP_S = 0.05  # speech segments split only by an audio window boundary are joined
+GROUP_COMMIT_MAX = 256  # store calls per transaction
 
 
 class SinkStage(Stage):

@@ -65,10 +65,6 @@ class PartitionGate:
         self._has_space = asyncio.Event()
         self._has_space.set()
 
-    @property
-    def paused(self) -> set[TPLike]:
-        return {tp for tp, reasons in self.reasons.items() if reasons}
-
     async def acquire(self, tp: TPLike) -> None:
         """Count one item of `tp` in flight; wait while the process-wide cap is reached."""
         tp = as_tp(tp)

@@ -238,6 +238,7 @@ class StageRuntime:
         self.app.task(self._on_startup)
         self.app.on_before_shutdown.connect(self._on_shutdown)
         self._lag_reader: LagReader | None = None
+        self._downstream = downstream_of(self.settings, stage.name)  # (topic, group) or None
         self._downstream_lag: dict[int, int] = {}  # per output partition, see _count_downstream
         self._admitting: Counter[int] = Counter()  # admitted messages whose output is not sent yet
         self._reserved: set[tuple[int, int]] = set()  # (partition, offset) of those messages
@@ -374,39 +375,49 @@ class StageRuntime:
                 self._lag_reader = LagReader(self.settings)
             group = group_id(self.settings, self.stage.name)
             rows = await self._lag_reader.read(group, self.stage.input_topics)
-            for row in rows:
-                self.metrics.lag.labels(group, row.topic, str(row.partition)).set(row.lag)
+            self._export_lag(group, rows)
             self.stage.backlog = sum(row.lag for row in rows)
             await self._apply_downstream_bound()
         except Exception as exc:  # telemetry and throttling must never kill the stage
             log.warning("lag read failed: %r", exc)
 
-    async def _apply_downstream_bound(self) -> None:
-        downstream = downstream_of(self.settings, self.stage.name)
-        if downstream is None or self._lag_reader is None:
-            return
-        topic, group = downstream
-        rows = await self._lag_reader.read(group, [topic])
-        self._downstream_lag = {row.partition: row.lag for row in rows}
+    def _export_lag(self, group: str, rows: list[Any]) -> None:
         for row in rows:
             self.metrics.lag.labels(group, row.topic, str(row.partition)).set(row.lag)
+
+    async def _apply_downstream_bound(self) -> None:
+        if self._downstream is None or self._lag_reader is None:
+            return
+        topic, group = self._downstream
+        rows = await self._lag_reader.read(group, [topic])
+        self._downstream_lag = {row.partition: row.lag for row in rows}
+        self._export_lag(group, rows)
         self._hold_or_release_for_downstream()
 
     def _count_downstream(self, metadata: list[Any]) -> None:
         """Between two lag read-outs, count what we add to each downstream partition, so a
         fast stage pauses as soon as its estimate crosses the bound, not one interval late."""
-        downstream = downstream_of(self.settings, self.stage.name)
-        if downstream is None or not self._downstream_lag:
+        if self._downstream is None or not self._downstream_lag:
             return
-        added = [md.partition for md in metadata if md is not None and md.topic == downstream[0]]
+        added = [md.partition for md in metadata if md is not None and md.topic == self._downstream[0]]
         for partition in added:
             self._downstream_lag[partition] = self._downstream_lag.get(partition, 0) + 1
         if added:
             self._hold_or_release_for_downstream()
 
+    def _lag_at(self, partition: int) -> int:
+        """The next stage's lag on the output partition fed by input partition `partition`:
+        keys are job ids and partition counts match, so p feeds p; with other counts, the
+        worst partition decides."""
+        if partition in self._downstream_lag:
+            return self._downstream_lag[partition]
+        return max(self._downstream_lag.values(), default=0)
+
     def _downstream_lag_of(self, partition: int) -> int:
-        lag = self._downstream_lag.get(partition, max(self._downstream_lag.values(), default=0))
-        return lag + self._admitting[partition]
+        return self._lag_at(partition) + self._admitting[partition]
+
+    def _shedding(self) -> bool:
+        return self.stage.sheds_load and self.stage.backlog > self.settings.max_backlog
 
     async def _wait_for_room(self, message: Incoming) -> bool:
         """Exact admission at the head of the pipeline: a message goes on only while the next
@@ -415,7 +426,7 @@ class StageRuntime:
         max_backlog jobs wait in front of this stage."""
         partition = message.partition
         while self._downstream_lag_of(partition) >= self.settings.downstream_lag_high:
-            if self.stage.sheds_load and self.stage.backlog > self.settings.max_backlog:
+            if self._shedding():
                 return False
             await asyncio.sleep(ADMISSION_POLL_S)
         self._admitting[partition] += 1
@@ -429,14 +440,12 @@ class StageRuntime:
             self._admitting[message.partition] -= 1
 
     def _hold_or_release_for_downstream(self) -> None:
-        lag_by_partition = self._downstream_lag
-        shedding = self.stage.sheds_load and self.stage.backlog > self.settings.max_backlog
-        assigned = [tp for tp in self.app.consumer.assignment() if tp.topic == self.stage.input_topics[0]]
+        shedding = self._shedding()
+        input_topic = self.stage.input_topics[0]
+        assigned = [tp for tp in self.app.consumer.assignment() if tp.topic == input_topic]
         high, low = self.settings.downstream_lag_high, self.settings.downstream_lag_low
         for tp in assigned:
-            # Keys are job ids and partition counts match, so input partition p feeds output
-            # partition p; with other counts, the worst partition decides.
-            lag = lag_by_partition.get(tp.partition, max(lag_by_partition.values(), default=0))
+            lag = self._lag_at(tp.partition)
             if shedding or lag <= low:
                 self.gate.hold_for_downstream([tp], full=False)
             elif lag > high:

@@ -27,6 +27,7 @@ from typing import Any
 
 from faust.transport.consumer import ensure_TPset
 from faust.types import TP
+from faust.utils.functional import consecutive_numbers
 
 from faust.transport.drivers import TRANSPORTS
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -58,12 +59,7 @@ def first_committable_run(acked: list[int], committed: int | None, lowest_unacke
         return []  # the message at the committed offset is still being worked on
     if committed is None and lowest_unacked is not None and lowest_unacked < head:
         return []
-    run = [head]
-    for offset in acked[1:]:
-        if offset != run[-1] + 1:
-            break
-        run.append(offset)
-    return run
+    return list(next(consecutive_numbers(acked)))
 
 
 class Consumer(faust_aiokafka.Consumer):
