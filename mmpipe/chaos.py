@@ -20,7 +20,7 @@ import orjson
 from mmpipe import samples
 from mmpipe.client import Publisher, follow_results, make_event
 from mmpipe.settings import Settings
-from mmpipe.store import StoreUnavailable, open_store
+from mmpipe.store import StoreUnavailable, count_results, open_store
 from mmpipe.supervisor import STAGES, Pipeline
 from schemas import MediaEvent, ModelRef, to_json
 
@@ -112,13 +112,10 @@ class ChaosRun:
                 await publisher.publish_raw(*item)
 
     def stored(self) -> int:
-        store = open_store(self.settings.store_url)
         try:
-            return store.counts()["results"]
+            return count_results(self.settings.store_url)
         except StoreUnavailable:
             return 0  # locked or down: no progress to report yet
-        finally:
-            store.close()
 
     def wait_progress(self, fraction: float, timeout_s: float = 600) -> None:
         target = int(fraction * (len(self.events) + len(self.bad)))

@@ -88,7 +88,7 @@ def up(
     decode: int = 1, preprocess: int = 1, inference: int = 1, sink: int = 1,
 ) -> None:
     """Start everything: the embedded broker (unless --bootstrap) and every stage's processes."""
-    from mmpipe.supervisor import Pipeline
+    from mmpipe.supervisor import Pipeline, metrics_port
 
     settings = _settings(bootstrap)
     replicas = {"decode": decode, "preprocess": preprocess, "inference": inference, "sink": sink}
@@ -99,7 +99,7 @@ def up(
         for col in ("process", "pid", "metrics", "log"):
             table.add_column(col)
         for proc in pipeline.processes:
-            port = metrics_base_port + 10 * list(replicas).index(proc.stage) + proc.index if metrics_base_port else None
+            port = metrics_port(metrics_base_port, proc.stage, proc.index) if metrics_base_port else None
             table.add_row(proc.name, str(proc.process.pid), f"http://127.0.0.1:{port}/metrics" if port else "-", str(proc.log_path))
         console.print(table)
         console.print(f"publish with: MMPIPE_BOOTSTRAP={pipeline.settings.bootstrap} mmpipe produce FILE...   Ctrl-C stops")

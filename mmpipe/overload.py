@@ -18,9 +18,9 @@ import orjson
 from mmpipe.bench.resources import ResourceSampler
 from mmpipe.client import Publisher, make_event
 from mmpipe.settings import BatchingSettings, Settings
-from mmpipe.store import open_store
+from mmpipe.store import count_results, open_store
 from mmpipe.supervisor import STAGES, Pipeline
-from streams.kafka import LagReader, group_id, stage_input_topics
+from streams.kafka import LagReader
 
 
 @dataclass
@@ -92,14 +92,19 @@ async def _publish_at(settings: Settings, rate: float, seconds: float, deadline_
     return ids
 
 
-async def _total_lag(settings: Settings) -> int:
+async def _await_recovery(settings: Settings, published: int, timeout_s: float) -> float | None:
+    """Seconds until every published job is stored and no stage group lags; None if that
+    takes longer than `timeout_s`. One lag reader serves every poll."""
+    start = time.monotonic()
     reader = LagReader(settings)
     try:
-        total = 0
-        for stage in STAGES:
-            rows = await reader.read(group_id(settings, stage), stage_input_topics(settings, stage))
-            total += sum(max(row.lag, 0) for row in rows)
-        return total
+        while time.monotonic() - start < timeout_s:
+            if await asyncio.to_thread(count_results, settings.store_url) >= published:
+                lag = [row.lag for stage in STAGES for row in await reader.read_stage(stage)]
+                if sum(max(value, 0) for value in lag) == 0:
+                    return round(time.monotonic() - start, 1)
+            await asyncio.sleep(0.5)
+        return None
     finally:
         await reader.close()
 
@@ -115,26 +120,13 @@ def run_overload(pipeline: Pipeline, sustainable_rate: float, factor: float, sec
     sampler.start()
     try:
         ids = asyncio.run(_publish_at(settings, report.arrival_rate, seconds, deadline_s))
-        arrivals_ended = time.monotonic()
         report.published = len(ids)
-        while time.monotonic() - arrivals_ended < recover_timeout_s:
-            if _stored(settings) >= len(ids) and asyncio.run(_total_lag(settings)) == 0:
-                report.recovered_s = round(time.monotonic() - arrivals_ended, 1)
-                break
-            time.sleep(0.5)
+        report.recovered_s = asyncio.run(_await_recovery(settings, len(ids), recover_timeout_s))
     finally:
         sampler.stop()
     report.peak_rss_mb = {name: round(rss / 2**20, 1) for name, rss in sorted(sampler.peak_rss.items())}
     _summarise_results(report, settings, ids)
     return report
-
-
-def _stored(settings: Settings) -> int:
-    store = open_store(settings.store_url)
-    try:
-        return store.counts()["results"]
-    finally:
-        store.close()
 
 
 def _summarise_results(report: OverloadReport, settings: Settings, ids: list[str]) -> None:

@@ -26,9 +26,9 @@ from mmpipe.capacity import (
     parse_metrics,
 )
 from mmpipe.settings import Settings
-from mmpipe.supervisor import STAGES
+from mmpipe.supervisor import PORTS_PER_STAGE, STAGES, metrics_port
 from schemas import JobResult
-from streams.kafka import STAGE_GROUPS, LagReader, PartitionLag, group_id, stage_input_topics
+from streams.kafka import STAGE_GROUPS, LagReader, PartitionLag, group_id
 
 BREAKDOWN = (
     ("queue", ("queue_decode_ms", "queue_preprocess_ms", "queue_inference_ms", "queue_sink_ms")),
@@ -88,7 +88,7 @@ def print_result(console: Console, result: JobResult) -> None:
 async def lag_table(settings: Settings) -> Table:
     reader = LagReader(settings)
     try:
-        rows = [row for stage in STAGE_GROUPS for row in await _read_stage(reader, settings, stage)]
+        rows = [row for stage in STAGE_GROUPS for row in await reader.read_stage(stage)]
     finally:
         await reader.close()
     return partition_lag_table(rows, settings.bootstrap)
@@ -105,13 +105,7 @@ def partition_lag_table(rows: list[PartitionLag], bootstrap: str) -> Table:
     return table
 
 
-async def _read_stage(reader: LagReader, settings: Settings, stage: str) -> list[PartitionLag]:
-    return await reader.read(group_id(settings, stage), stage_input_topics(settings, stage))
-
-
 # --- The replica hint ------------------------------------------------------------------------
-# `up` gives stage i, replica j its metrics port at base + 10*i + j (Pipeline.spawn).
-UP_MAX_REPLICAS = 10
 SCRAPE_TIMEOUT_S = 1.0
 
 ENABLE_METRICS_HINT = (
@@ -129,9 +123,9 @@ class MetricsEndpoint:
 def up_endpoints(base_port: int, host: str = "127.0.0.1") -> list[MetricsEndpoint]:
     """Every port `up` may have given a stage replica (those not listening cost a refused connect)."""
     return [
-        MetricsEndpoint(f"http://{host}:{base_port + 10 * i + j}/metrics", stage)
-        for i, stage in enumerate(STAGES)
-        for j in range(UP_MAX_REPLICAS)
+        MetricsEndpoint(f"http://{host}:{metrics_port(base_port, stage, j)}/metrics", stage)
+        for stage in STAGES
+        for j in range(PORTS_PER_STAGE)
     ]
 
 
@@ -170,7 +164,7 @@ class Snapshot:
 async def take_snapshot(reader: LagReader, settings: Settings, endpoints: list[MetricsEndpoint]) -> Snapshot:
     scrapes = asyncio.gather(*(asyncio.to_thread(scrape, e.url) for e in endpoints))
     at = time.monotonic()
-    partitions = {stage: await _read_stage(reader, settings, stage) for stage in STAGE_GROUPS}
+    partitions = {stage: await reader.read_stage(stage) for stage in STAGE_GROUPS}
     pages = {
         e.url: parse_metrics(text, e.stage)
         for e, text in zip(endpoints, await scrapes)

@@ -21,7 +21,13 @@ from streams.broker import EmbeddedBroker, free_port
 from streams.kafka import ensure_topics
 
 STAGES = ("decode", "preprocess", "inference", "sink")
+# Given a base port, stage i's replica j serves its metrics at base + PORTS_PER_STAGE * i + j.
+PORTS_PER_STAGE = 10
 READY_FILE_ENV = "MMPIPE_READY_FILE"
+
+
+def metrics_port(base: int, stage: str, index: int) -> int:
+    return base + PORTS_PER_STAGE * STAGES.index(stage) + index
 
 
 @dataclass
@@ -97,7 +103,7 @@ class Pipeline:
         log_path = self.workdir / f"{stage}-{index}.log"
         settings = self.settings.model_copy(update=self.replica_overrides.get((stage, index), {}))
         if self.metrics_base_port:
-            port = self.metrics_base_port + 10 * STAGES.index(stage) + index
+            port = metrics_port(self.metrics_base_port, stage, index)
             settings = settings.model_copy(update={"metrics_port": port})
         settings_path = write_settings(settings, self.workdir / f"{stage}-{index}.settings.json")
         env = dict(os.environ, **self.extra_env)

@@ -173,6 +173,10 @@ class LagReader:
             rows.append(PartitionLag(group, tp.topic, tp.partition, ends[tp], committed))
         return rows
 
+    async def read_stage(self, stage: str) -> list[PartitionLag]:
+        """The lag of a stage's group on its input topics."""
+        return await self.read(group_id(self.settings, stage), stage_input_topics(self.settings, stage))
+
     async def group_members(self, group: str) -> int | None:
         """Members of the group now (one per stage process); None if the broker won't say."""
         try:

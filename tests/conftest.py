@@ -6,7 +6,6 @@ own SQLite store, so many pipelines share one broker.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
 from collections.abc import Iterator
@@ -65,7 +64,3 @@ def shared_pipeline(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFac
         yield pipeline
     finally:
         pipeline.stop()
-
-
-def run(coro):  # noqa: ANN001, ANN201 - tiny helper for sync tests
-    return asyncio.run(coro)

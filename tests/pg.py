@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
+from streams.broker import free_port
 
 SUPERUSER = "postgres"
 START_ATTEMPTS = 3  # a free port picked here can be taken by someone else before the server binds it
@@ -38,12 +39,6 @@ def find_pg_bin() -> Path | None:
 def _major_version(bin_dir: str) -> int:
     version = Path(bin_dir).parent.name
     return int(version) if version.isdigit() else 0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PostgresServer:

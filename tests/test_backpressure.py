@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mmpipe.client import make_event
 from mmpipe.settings import BatchingSettings
-from mmpipe.supervisor import STAGES, Pipeline
+from mmpipe.store import count_results
+from mmpipe.supervisor import STAGES, Pipeline, metrics_port
 from tests.conftest import make_settings
 from tests.helpers import publish, wait_for_results
 
@@ -54,7 +55,7 @@ def slow_pipeline(broker, tmp_path_factory, media_dir):
     pipeline = Pipeline(settings, workdir=workdir, embedded_broker=False, metrics_base_port=base,
                         replica_overrides={("inference", 0): {"inject_execute_delay_ms": 120}})
     pipeline.start()
-    pipeline.ports = {stage: base + 10 * i for i, stage in enumerate(STAGES)}
+    pipeline.ports = {stage: metrics_port(base, stage, 0) for stage in STAGES}
     try:
         yield pipeline
     finally:
@@ -121,10 +122,4 @@ def test_metrics_export_the_stage_table(slow_pipeline):
 
 
 def _all_done(settings, events) -> bool:
-    from mmpipe.store import open_store
-
-    store = open_store(settings.store_url)
-    try:
-        return store.counts()["results"] >= len(events)
-    finally:
-        store.close()
+    return count_results(settings.store_url) >= len(events)

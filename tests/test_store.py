@@ -22,7 +22,8 @@ from mmpipe.store.sqlite import SqliteStore
 from schemas import DeadLetter, JobResult, ModelRef, Prediction
 from stages.sink import assemble, failed_result
 from tests import pg
-from tests.pg import PostgresServer, free_port
+from streams.broker import free_port
+from tests.pg import PostgresServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,7 @@ from mmpipe.bench.workload import Workload
 from mmpipe.client import Publisher
 from mmpipe.settings import BatchingSettings, Settings
 from mmpipe.store.base import load_result
-from mmpipe.supervisor import STAGES, Pipeline, tail
+from mmpipe.supervisor import Pipeline, metrics_port, tail
 from schemas import JobResult
 
 
@@ -253,8 +253,8 @@ class BenchPipeline:
     def _scrape_inference(self) -> dict[str, dict[str, float]]:
         if not self.metrics_base_port:
             return {}
-        base = self.metrics_base_port + 10 * STAGES.index("inference")
-        return {p.name: scrape(base + p.index) for p in self.pipeline.processes if p.stage == "inference"}
+        return {p.name: scrape(metrics_port(self.metrics_base_port, "inference", p.index))
+                for p in self.pipeline.processes if p.stage == "inference"}
 
     def _flushes(self) -> dict[str, dict[str, float]]:
         return {name: _triggers(values, self.model) for name, values in self._scrape_inference().items()}

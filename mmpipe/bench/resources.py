@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 
 from mmpipe.settings import Settings
-from streams.kafka import STAGE_GROUPS, LagReader, group_id, stage_input_topics
+from streams.kafka import STAGE_GROUPS, LagReader
 
 MiB = 1024 * 1024
 
@@ -191,7 +191,7 @@ class LagSampler:
         assert self._reader is not None
         for stage in STAGE_GROUPS:
             try:
-                rows = await self._reader.read(group_id(self.settings, stage), stage_input_topics(self.settings, stage))
+                rows = await self._reader.read_stage(stage)
             except Exception:  # telemetry: a failed read must not fail the run
                 continue
             lag = sum(row.lag for row in rows)

@@ -147,3 +147,12 @@ def open_store(url: str) -> ResultStore:
 
         return PostgresStore(url)
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:///file.db or postgresql://...")
+
+
+def count_results(url: str) -> int:
+    """Result rows in the store at `url` (opened and closed for this one question)."""
+    store = open_store(url)
+    try:
+        return store.counts()["results"]
+    finally:
+        store.close()
