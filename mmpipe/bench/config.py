@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SCENARIOS = ("poisson", "bursty", "degraded", "mixed")
@@ -59,7 +59,6 @@ class BenchConfig:
     degraded_s: float = 25.0
     policies: tuple[str, ...] = ("dynamic", "off", "static")  # which of the main three run
     result_timeout_s: float = 600.0
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> BenchConfig:

@@ -51,9 +51,6 @@ class ModelCurve:
         top = max(p.items_per_s for p in self.points)
         return min(p.batch_size for p in self.points if p.items_per_s >= NEAR_BEST * top)
 
-    def point(self, batch_size: int) -> CurvePoint:
-        return next(p for p in self.points if p.batch_size == batch_size)
-
     def batch_ms(self, batch_size: float) -> float:
         """t(b): interpolated between measured sizes, extrapolated linearly past the ends."""
         sizes = [p.batch_size for p in self.points]

@@ -17,14 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from mmpipe.bench import stats
-from mmpipe.bench.resources import LagSampler, ResourceSampler, scrape
+from mmpipe.bench.resources import LagSampler, ResourceSampler
 from mmpipe.bench.simulate import SimPolicy
 from mmpipe.bench.traffic import Arrival
 from mmpipe.bench.workload import Workload
 from mmpipe.client import Publisher
 from mmpipe.settings import BatchingSettings, Settings
 from mmpipe.store.base import load_result
+from mmpipe.report import scrape
 from mmpipe.supervisor import Pipeline, metrics_port, tail
 from schemas import JobResult
 
@@ -33,6 +36,7 @@ from schemas import JobResult
 STALL_S = 15.0
 # How often the closed loop (saturation run) looks for completions; short against a batch.
 CLOSED_LOOP_POLL_S = 0.02
+SCRAPE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,6 @@ class RunData:
     lag_peak: dict[str, int]
     resources: dict[str, Any]
     inference_metrics: dict[str, Any] = field(default_factory=dict)
-    missing: int = 0
-
-    def stats(self, flood: bool) -> dict[str, Any]:
-        figures = stats.run_stats(self.results, self.published, flood)
-        figures["missing"] = self.missing
-        return figures
 
 
 class BenchPipeline:
@@ -106,7 +104,6 @@ class BenchPipeline:
         self.pipeline = Pipeline(settings, workdir=workdir, replicas=replicas, metrics_base_port=metrics_base_port)
         self.policy: Policy | None = None
         self.topology = Topology()
-        self.restarts = 0
 
     @property
     def settings(self) -> Settings:
@@ -141,7 +138,6 @@ class BenchPipeline:
         new = [self.pipeline.spawn("inference", i) for i in range(topology.replicas)]
         self.pipeline.wait_ready(timeout_s, new)
         self.policy, self.topology = policy, topology
-        self.restarts += 1
         self._watch_all()
         return True
 
@@ -173,7 +169,6 @@ class BenchPipeline:
             lag_peak=lag_peak,
             resources=resources,
             inference_metrics=self._inference_metrics(flushes_before),
-            missing=published - len(results),
         )
 
     async def _publish(
@@ -185,10 +180,11 @@ class BenchPipeline:
         deadline = time.monotonic() + timeout_s
         async with Publisher(self.settings) as publisher, LagSampler(self.settings) as lag:
             sends = []
+            answered = 0
             start = loop.time() + 0.05
             for arrival in schedule:
                 if outstanding:
-                    await self._until_fewer_unanswered(tag, len(sends), outstanding, deadline)
+                    answered = await self._until_fewer_unanswered(tag, len(sends), answered, outstanding, deadline)
                 else:
                     delay = start + arrival.offset_s - loop.time()
                     if delay > 0:
@@ -203,12 +199,18 @@ class BenchPipeline:
         lag_ms = stats.percentiles(late)
         return len(sends), sent_at, {"p99": lag_ms["p99"], "max": lag_ms["max"]}, peaks
 
-    async def _until_fewer_unanswered(self, tag: str, sent: int, outstanding: int, deadline: float) -> None:
+    async def _until_fewer_unanswered(self, tag: str, sent: int, answered: int, outstanding: int, deadline: float) -> int:
         """Closed loop: wait until fewer than `outstanding` of the `sent` jobs lack a result (or
-        the run's deadline passed; the drain then reports what is missing)."""
-        while sent - await asyncio.to_thread(self._count, tag) >= outstanding and time.monotonic() < deadline:
+        the run's deadline passed; the drain then reports what is missing). `answered` is the
+        last count seen: counts only grow, so while it leaves room the store is not asked.
+        Returns the count the decision was made on."""
+        while sent - answered >= outstanding and time.monotonic() < deadline:
+            answered = await asyncio.to_thread(self._count, tag)
+            if sent - answered < outstanding:
+                break
             self._check_alive()
             await asyncio.sleep(CLOSED_LOOP_POLL_S)
+        return answered
 
     async def _drain(self, tag: str, count: int, lag: LagSampler, timeout_s: float) -> None:
         """Until every job has a result; or the timeout; or no result came for STALL_S while
@@ -250,40 +252,56 @@ class BenchPipeline:
         lock the store's own transactions take (BEGIN IMMEDIATE), so polling costs the sink nothing."""
         return _Reader(self.db_path)
 
-    def _scrape_inference(self) -> dict[str, dict[str, float]]:
+    def _scrape_inference(self) -> dict[str, InferencePage]:
         if not self.metrics_base_port:
             return {}
-        return {p.name: scrape(metrics_port(self.metrics_base_port, "inference", p.index))
-                for p in self.pipeline.processes if p.stage == "inference"}
+        return {
+            p.name: InferencePage.parse(scrape(self._inference_url(p.index), SCRAPE_TIMEOUT_S), self.model)
+            for p in self.pipeline.processes if p.stage == "inference"
+        }
+
+    def _inference_url(self, index: int) -> str:
+        return f"http://127.0.0.1:{metrics_port(self.metrics_base_port, 'inference', index)}/metrics"
 
     def _flushes(self) -> dict[str, dict[str, float]]:
-        return {name: _triggers(values, self.model) for name, values in self._scrape_inference().items()}
+        return {name: page.flushes for name, page in self._scrape_inference().items()}
 
     def _inference_metrics(self, flushes_before: dict[str, dict[str, float]]) -> dict[str, Any]:
         """The inference replicas' own view: peak GPU memory, and batch flushes by trigger
         during this run (full batch, max_wait, static timeout)."""
         out: dict[str, Any] = {}
-        for name, values in self._scrape_inference().items():
+        for name, page in self._scrape_inference().items():
             before = flushes_before.get(name, {})
             out[name] = {
-                "gpu_memory_bytes": int(values.get("mm_gpu_memory_bytes", 0)),
-                "batch_flushes": {k: int(v - before.get(k, 0)) for k, v in _triggers(values, self.model).items() if v - before.get(k, 0)},
+                "gpu_memory_bytes": page.gpu_memory_bytes,
+                "batch_flushes": {k: int(v - before.get(k, 0)) for k, v in page.flushes.items() if v - before.get(k, 0)},
             }
         return out
+
+
+@dataclass
+class InferencePage:
+    """What the benchmark reads from an inference replica's metrics page."""
+
+    gpu_memory_bytes: int = 0
+    flushes: dict[str, float] = field(default_factory=dict)  # batches flushed so far, by trigger
+
+    @classmethod
+    def parse(cls, text: str | None, model: str) -> InferencePage:
+        page = cls()  # an unreachable replica reads as empty
+        for family in text_string_to_metric_families(text or ""):
+            for sample in family.samples:
+                if sample.name == "mm_gpu_memory_bytes":
+                    page.gpu_memory_bytes = int(sample.value)
+                elif sample.name == "mm_batch_flushes_total" and sample.labels.get("model") == model:
+                    page.flushes[sample.labels["trigger"]] = sample.value
+        return page
 
 
 def _ids_of(tag: str) -> tuple[str, str]:
     """The job_id range of a run's jobs ("<tag>-..."): an index seek, where LIKE scans the
     whole index (the closed loop counts every few milliseconds)."""
     return f"{tag}-", f"{tag}."
-
-
-def _triggers(values: dict[str, float], model: str) -> dict[str, float]:
-    return {
-        key.split('trigger="')[1].split('"')[0]: value
-        for key, value in values.items()
-        if key.startswith("mm_batch_flushes_total{") and f'model="{model}"' in key
-    }
 
 
 class _Reader:

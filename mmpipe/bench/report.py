@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mmpipe.bench.stats import SPANS
+from mmpipe.bench.targets import curve_throughput
 
 STATUS_STYLE = {"PASS": "[green]PASS[/]", "MISS": "[red]MISS[/]", "N/A": "[yellow]N/A[/]"}
 MAIN_COLOURS = {"off": "tab:red", "static": "tab:orange", "dynamic": "tab:blue"}
@@ -181,7 +182,7 @@ def _latency_throughput(ax: Any, result: dict[str, Any]) -> None:
     alone = result["model_alone"]
     bottom = ax.get_ylim()[0]
     for batch, style in ((1, ":"), (alone["best_batch"], "--")):
-        thr = next(p["items_per_s"] for p in alone["points"] if p["batch_size"] == batch)
+        thr = curve_throughput(result, batch)
         ax.axvline(thr, color="grey", linestyle=style, linewidth=1)
         ax.annotate(f"model alone b={batch}", (thr, bottom), rotation=90, fontsize=7, color="grey", va="bottom")
     ax.set_xlabel("throughput (jobs/s)   [dash-dot: pipeline saturation per policy]")

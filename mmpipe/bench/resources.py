@@ -1,6 +1,6 @@
 """What the run cost: RSS and CPU time of every stage process, the whole machine's CPU (so load
 from other users of a shared machine shows), GPU utilisation and memory where there is a GPU,
-consumer lag, and the inference stage's own metrics (mm_gpu_memory_bytes, batch triggers).
+and consumer lag. (The inference stage's own metrics are read in pipeline_run.py.)
 
 A background thread samples every process; a window (one measured run) reports CPU used per
 process as cores (CPU seconds / wall seconds) and the peak RSS seen inside it. Peaks over the
@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,21 +200,3 @@ class LagSampler:
     def idle(self) -> bool:
         """Every stage has committed all it was given (nothing is in flight anywhere)."""
         return len(self.last) == len(STAGE_GROUPS) and all(lag <= 0 for lag in self.last.values())
-
-
-def scrape(port: int, timeout_s: float = 2.0) -> dict[str, float]:
-    """A stage's Prometheus text as {"name{labels}": value} (empty when unreachable)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                values[name] = float(value)
-            except ValueError:
-                continue
-    return values

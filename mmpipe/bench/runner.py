@@ -24,7 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
-from mmpipe.bench import decode_bench, report, simulate, targets, traffic
+from mmpipe.bench import decode_bench, report, simulate, stats, targets, traffic
 from mmpipe.bench.config import TARGET_LOAD, BenchConfig
 from mmpipe.bench.env import environment
 from mmpipe.bench.model_alone import ModelCurve, batch_sizes, measure_curve
@@ -283,7 +283,7 @@ class Runner:
         what = f"{kind} {policy.label}" + (f" load {load:.0%}" if load is not None else "") + f": {len(schedule)} jobs"
         with self.console.status(f"{what}..."):
             data = self.bench.run(schedule, self.work, tag, self.cfg.result_timeout_s, outstanding)
-        figures = data.stats(flood)
+        figures = stats.run_stats(data.results, data.published, flood)
         run = {
             "tag": tag, "scenario": kind, "policy": asdict(policy), "label": policy.label,
             "topology": {"replicas": topology.replicas, "delays_ms": list(topology.inference_delays_ms)},

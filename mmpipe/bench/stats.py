@@ -42,6 +42,7 @@ def run_stats(results: list[JobResult], published: int, flood: bool) -> dict[str
     stats: dict[str, Any] = {
         "published": published,
         "results": len(results),
+        "missing": published - len(results),
         "ok": len(ok),
         "statuses": dict(statuses),
         # Which model versions and weights answered (random weights: timings real, labels not).
