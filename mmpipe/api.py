@@ -54,11 +54,11 @@ from mmpipe.store.base import TERMINAL_STATE
 from models.base import ModelSpec, UnknownModel, WrongModality
 from models.registry import all_specs, resolve
 from schemas import JobResult, MediaEvent
-from schemas.events import JOB_ID_PATTERN
+from schemas.codec import unknown_modality
+from schemas.events import JOB_ID_PATTERN, MODALITIES
 
 log = logging.getLogger(__name__)
 
-MODALITIES = ("image", "audio", "video", "text")
 FINISHED_STATES = frozenset(TERMINAL_STATE.values())
 # Room in a request body beyond the payload: multipart framing, the small form fields, JSON keys.
 ENVELOPE_BYTES = 64 * 1024
@@ -363,7 +363,7 @@ def _modality(job: JobRequest, upload: Upload | None) -> str:
     if modality is None:
         raise ApiError(422, "missing_modality", f"`modality` is required: one of {', '.join(MODALITIES)}")
     if modality not in MODALITIES:
-        raise ApiError(422, "unknown_modality", f"modality {modality!r} is not one of {', '.join(MODALITIES)}")
+        raise ApiError(422, "unknown_modality", unknown_modality(modality))
     return modality
 
 

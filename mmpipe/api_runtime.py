@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from mmpipe.client import results_reader
 from mmpipe.settings import Settings
 from mmpipe.store import JobRecord, ResultStore, StoreUnavailable, open_store
 from schemas import BadMessage, JobResult, MediaEvent, decode_result, encode_event
-from streams.kafka import client_kwargs, ensure_topics, make_producer
+from streams.kafka import ensure_topics, make_producer
 from streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -233,15 +234,7 @@ class ResultListener:
             backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
 
     async def _connect(self) -> AIOKafkaConsumer:
-        consumer = AIOKafkaConsumer(
-            **client_kwargs(self.settings),
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="latest",
-            fetch_max_wait_ms=self.settings.fetch_max_wait_ms,
-            max_partition_fetch_bytes=self.settings.max_message_bytes,
-            fetch_max_bytes=self.settings.max_message_bytes * 2,
-        )
+        consumer = results_reader(self.settings, offset_reset="latest")
         try:
             # The API may come up before the pipeline has created the topics.
             await asyncio.wait_for(ensure_topics(self.settings, timeout_s=CONNECT_TIMEOUT_S), CONNECT_TIMEOUT_S * 2)

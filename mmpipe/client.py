@@ -108,20 +108,27 @@ class Publisher:
         return len(futures)
 
 
-async def follow_results(
-    settings: Settings, *, from_beginning: bool = True, idle_timeout_s: float | None = None
-) -> AsyncIterator[JobResult]:
-    """Read the `results` topic (no consumer group: every reader sees every result)."""
-    consumer = AIOKafkaConsumer(
-        TopicNames(settings.topic_prefix).results,
+def results_reader(settings: Settings, *topics: str, offset_reset: str) -> AIOKafkaConsumer:
+    """A consumer without a group (every reader sees every result), sized for the largest
+    message; subscribed to `topics`, or to none when the caller assigns partitions itself."""
+    return AIOKafkaConsumer(
+        *topics,
         **client_kwargs(settings),
         group_id=None,
         enable_auto_commit=False,
-        auto_offset_reset="earliest" if from_beginning else "latest",
+        auto_offset_reset=offset_reset,
         fetch_max_wait_ms=settings.fetch_max_wait_ms,
         max_partition_fetch_bytes=settings.max_message_bytes,
         fetch_max_bytes=settings.max_message_bytes * 2,
     )
+
+
+async def follow_results(
+    settings: Settings, *, from_beginning: bool = True, idle_timeout_s: float | None = None
+) -> AsyncIterator[JobResult]:
+    """Read the `results` topic (no consumer group: every reader sees every result)."""
+    consumer = results_reader(settings, TopicNames(settings.topic_prefix).results,
+                              offset_reset="earliest" if from_beginning else "latest")
     await consumer.start()
     try:
         while True:

@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from schemas.events import (
+    MODALITIES,
     SCHEMA_VERSION,
     DeadLetter,
     JobResult,
@@ -61,7 +62,8 @@ def from_json(raw: bytes, type_: type[T]) -> T:
         raise BadMessage("malformed_event", str(exc)) from None
 
 
-_MODALITIES = ("image", "audio", "video", "text")
+def unknown_modality(modality: object) -> str:
+    return f"modality {modality!r} is not one of {', '.join(MODALITIES)}"
 
 
 def decode_event(raw: bytes) -> MediaEvent:
@@ -71,10 +73,8 @@ def decode_event(raw: bytes) -> MediaEvent:
         return from_json(raw, MediaEvent)
     except BadMessage as exc:
         modality = _peek_modality(raw)
-        if modality is not None and modality not in _MODALITIES:
-            raise BadMessage(
-                "unknown_modality", f"modality {modality!r} is not one of {', '.join(_MODALITIES)}"
-            ) from exc
+        if modality is not None and modality not in MODALITIES:
+            raise BadMessage("unknown_modality", unknown_modality(modality)) from exc
         raise
 
 

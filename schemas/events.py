@@ -14,13 +14,14 @@ bad field, and unknown fields are ignored so a newer producer can add optional f
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
 SCHEMA_VERSION = 1
 
 Modality = Literal["image", "audio", "video", "text"]
+MODALITIES: tuple[str, ...] = get_args(Modality)
 ItemKind = Literal["image", "audio", "text"]
 PredictionStatus = Literal["ok", "error", "expired", "rejected"]
 ResultStatus = Literal["ok", "error", "expired", "rejected"]

@@ -96,6 +96,9 @@ class SqlStore(ResultStore):
     """Portable SQL; `?` placeholders are rewritten by backends that use another style."""
 
     placeholder = "?"
+    # Per-thread state, made by each backend's constructor: its connection (`conn`) and the
+    # cursor of the group transaction open in that thread (`group_cursor`).
+    _local: threading.local
 
     # Backend hooks ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -111,7 +114,7 @@ class SqlStore(ResultStore):
     @contextlib.contextmanager
     def _transaction(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
         """A transaction of its own, or a part of the group transaction open in this thread."""
-        group = getattr(self._group_local(), "cursor", None)
+        group = getattr(self._local, "group_cursor", None)
         if group is None:
             with self._begin(lock_key, write) as cur:
                 yield cur
@@ -120,26 +123,19 @@ class SqlStore(ResultStore):
             self._lock(group, lock_key)
         yield group
 
-    def _group_local(self) -> threading.local:
-        local = self.__dict__.get("_group")
-        if local is None:
-            local = self.__dict__["_group"] = threading.local()
-        return local
-
     # Group commit -----------------------------------------------------------------------
     def run_group(self, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
         """Run several store calls in ONE transaction (one commit for many messages). If one
         call fails for a reason other than unavailability, the group is rolled back and each
         call is run on its own, so one bad call cannot fail its neighbours. Returns each call's
         result, or the exception that call raised."""
-        local = self._group_local()
         try:
             with self._begin(lock_key=None, write=True) as cur:
-                local.cursor = cur
+                self._local.group_cursor = cur
                 try:
                     results = [fn(*args) for fn, args in calls]
                 finally:
-                    local.cursor = None
+                    self._local.group_cursor = None
             return results
         except StoreUnavailable:
             raise
