@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import typer  # noqa: E402
 
-from mmpipe.bench.command import bench  # noqa: E402
+from mmpipe.harness.bench.command import bench  # noqa: E402
 
 if __name__ == "__main__":
     typer.run(bench)

@@ -47,15 +47,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mmpipe.api_runtime import BrokerLink, BrokerUnavailable, ResultListener, StoreWorker
 from mmpipe.client import guess_modality, make_event, parse_model
-from mmpipe.inputs import InputError, resolve_local_uri
-from mmpipe.settings import Settings, load_settings
-from mmpipe.store import JobRecord, StoreUnavailable
-from mmpipe.store.base import TERMINAL_STATE
-from models.base import ModelSpec, UnknownModel, WrongModality
-from models.registry import all_specs, resolve
-from schemas import JobResult, MediaEvent
-from schemas.codec import unknown_modality
-from schemas.events import JOB_ID_PATTERN, MODALITIES
+from mmpipe.stages.decode.inputs import InputError, resolve_local_uri
+from mmpipe.schemas.settings import Settings, load_settings
+from mmpipe.stages.sink.store import JobRecord, StoreUnavailable
+from mmpipe.stages.sink.store.base import TERMINAL_STATE
+from mmpipe.models.base import ModelSpec, UnknownModel, WrongModality
+from mmpipe.models.registry import all_specs, resolve
+from mmpipe.schemas import JobResult, MediaEvent
+from mmpipe.schemas.codec import unknown_modality
+from mmpipe.schemas.events import JOB_ID_PATTERN, MODALITIES
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class RequestTooLarge(ApiError):
         super().__init__(413, "request_too_large", f"request body {seen}; the limit is {limit} bytes")
 
 
-# (status, code) per mmpipe.inputs refusal reason
+# (status, code) per mmpipe.stages.decode.inputs refusal reason
 INPUT_ERRORS = {
     "remote_uri_refused": (403, "remote_uri_refused"),
     "uri_outside_input_roots": (403, "uri_outside_input_roots"),
@@ -401,7 +401,7 @@ def _b64decode(text: str) -> bytes:
 
 
 async def _checked_uri(uri: str, settings: Settings) -> str:
-    """The file's real path (the rules of mmpipe.inputs: under an input root, no traversal, no
+    """The file's real path (the rules of mmpipe.stages.decode.inputs: under an input root, no traversal, no
     symlink escape, remote only if allowed). The decode stage checks it again when it reads."""
     try:
         return str(await asyncio.to_thread(resolve_local_uri, uri, settings))

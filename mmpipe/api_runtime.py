@@ -19,11 +19,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from mmpipe.client import results_reader
-from mmpipe.settings import Settings
-from mmpipe.store import JobRecord, ResultStore, StoreUnavailable, open_store
-from schemas import BadMessage, JobResult, MediaEvent, decode_result, encode_event
-from streams.kafka import ensure_topics, make_producer
-from streams.topics import TopicNames
+from mmpipe.schemas.settings import Settings
+from mmpipe.stages.sink.store import JobRecord, ResultStore, StoreUnavailable, open_store
+from mmpipe.schemas import BadMessage, JobResult, MediaEvent, decode_result, encode_event
+from mmpipe.streams.kafka import ensure_topics, make_producer
+from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmpipe.streams.topology import PIPELINE
+
 # Below 1: headroom for bursts and rebalances; near 1 queues (and latency) grow without bound.
 UTILISATION_TARGET = 0.7
 
-# The mm_service_seconds step that times each stage's work (see stages/*.py).
-SERVICE_STEP = {"decode": "decode", "preprocess": "preprocess", "inference": "execute", "sink": "sink"}
+# The mm_service_seconds step that times each stage's work (declared with the topology).
+SERVICE_STEP = {spec.name: spec.service_step for spec in PIPELINE}
 
 # Guards ceil() against float noise: 10/s x 0.07 s / 0.7 is 1.0000000000000002, not 2 replicas.
 _EPSILON = 1e-9

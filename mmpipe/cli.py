@@ -14,17 +14,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mmpipe.settings import Settings, load_settings
+from mmpipe.schemas.settings import Settings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
 
-STAGE_CLASSES = {
-    "decode": "stages.decode:DecodeStage",
-    "preprocess": "stages.preprocess:PreprocessStage",
-    "inference": "stages.inference:InferenceStage",
-    "sink": "stages.sink:SinkStage",
-}
 
 
 def _settings(bootstrap: str | None = None, **overrides: object) -> Settings:
@@ -35,18 +29,13 @@ def _settings(bootstrap: str | None = None, **overrides: object) -> Settings:
     return settings.model_copy(update=updates) if updates else settings
 
 
-def _stage_class(stage: str) -> type:
-    module, _, name = STAGE_CLASSES[stage].partition(":")
-    return getattr(__import__(module, fromlist=[name]), name)
-
-
 BootstrapOpt = Annotated[Optional[str], typer.Option(help="Kafka bootstrap servers (default: settings)")]
 
 
 @app.command()
 def broker(port: int = 9092, host: str = "127.0.0.1") -> None:
     """Run the embedded Kafka-protocol broker (Tansu) in the foreground."""
-    from streams.broker import EmbeddedBroker
+    from mmpipe.streams.broker import EmbeddedBroker
 
     with EmbeddedBroker(host, port) as embedded:
         console.print(f"embedded broker on [bold]{embedded.bootstrap}[/] (memory storage); Ctrl-C stops it")
@@ -56,8 +45,8 @@ def broker(port: int = 9092, host: str = "127.0.0.1") -> None:
 @app.command()
 def topics(bootstrap: BootstrapOpt = None) -> None:
     """Create the pipeline's topics (idempotent)."""
-    from streams.kafka import ensure_topics
-    from streams.topics import TopicNames
+    from mmpipe.streams.kafka import ensure_topics
+    from mmpipe.streams.topics import TopicNames
 
     settings = _settings(bootstrap)
     asyncio.run(ensure_topics(settings))
@@ -68,15 +57,18 @@ def topics(bootstrap: BootstrapOpt = None) -> None:
 @app.command()
 def worker(stage: Annotated[str, typer.Argument(help="decode | preprocess | inference | sink")], bootstrap: BootstrapOpt = None) -> None:
     """Run one stage as its own process (one member of the stage's consumer group)."""
+    from mmpipe.streams.metrics import StageMetrics
+    from mmpipe.streams.stage import StageRuntime
+    from mmpipe.streams.topology import UnknownStage, stage_spec
     from mmpipe.supervisor import READY_FILE_ENV
-    from streams.metrics import StageMetrics
-    from streams.stage import StageRuntime
 
-    if stage not in STAGE_CLASSES:
-        raise typer.BadParameter(f"stage must be one of {', '.join(STAGE_CLASSES)}")
+    try:
+        spec = stage_spec(stage)
+    except UnknownStage as exc:
+        raise typer.BadParameter(str(exc)) from None
     settings = _settings(bootstrap)
     logging.basicConfig(level=settings.log_level.upper().replace("WARN", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stage_obj = _stage_class(stage)(settings, StageMetrics(stage))
+    stage_obj = spec.load_class()(settings, StageMetrics(stage))
     ready = os.environ.get(READY_FILE_ENV)
     StageRuntime(stage_obj, Path(ready) if ready else None).run()
 
@@ -85,15 +77,18 @@ def worker(stage: Annotated[str, typer.Argument(help="decode | preprocess | infe
 def up(
     bootstrap: BootstrapOpt = None,
     metrics_base_port: int = typer.Option(9100, help="stage i replica j serves metrics on base+10*i+j"),
-    decode: int = 1, preprocess: int = 1, inference: int = 1, sink: int = 1,
+    replicas: Annotated[Optional[list[str]], typer.Option(
+        "--replicas", help="STAGE=N processes for a stage, repeatable (default: the topology's default, 1)",
+    )] = None,
 ) -> None:
     """Start everything: the embedded broker (unless --bootstrap) and every stage's processes."""
-    from mmpipe.supervisor import Pipeline, metrics_port
+    from mmpipe.streams.topology import metrics_port
+    from mmpipe.supervisor import Pipeline
 
     settings = _settings(bootstrap)
-    replicas = {"decode": decode, "preprocess": preprocess, "inference": inference, "sink": sink}
+    counts = _replica_counts(replicas or [])
     with console.status("starting broker and stages (models load, groups join)..."):
-        pipeline = Pipeline(settings, embedded_broker=bootstrap is None, replicas=replicas, metrics_base_port=metrics_base_port).start()
+        pipeline = Pipeline(settings, embedded_broker=bootstrap is None, replicas=counts, metrics_base_port=metrics_base_port).start()
     try:
         table = Table(title=f"pipeline up on {pipeline.settings.bootstrap}")
         for col in ("process", "pid", "metrics", "log"):
@@ -106,6 +101,19 @@ def up(
         _wait_for_signal()
     finally:
         pipeline.stop()
+
+
+def _replica_counts(pairs: list[str]) -> dict[str, int]:
+    from mmpipe.streams.topology import UnknownStage, stage_spec
+
+    counts = {}
+    for pair in pairs:
+        stage, _, count = pair.partition("=")
+        try:
+            counts[stage_spec(stage).name] = int(count)
+        except (UnknownStage, ValueError) as exc:
+            raise typer.BadParameter(f"--replicas {pair!r}: want STAGE=N ({exc})") from None
+    return counts
 
 
 @app.command()
@@ -130,7 +138,7 @@ def produce(
         for path in files or []
     ]
     if demo:
-        events += demo_events(demo, Path("var/demo"), deadline_s=deadline_s)
+        events += demo_events(demo, settings.state_path("demo"), deadline_s=deadline_s)
 
     async def run() -> None:
         async with Publisher(settings) as publisher:
@@ -149,7 +157,7 @@ def results(
 ) -> None:
     """Show a job's stored result (and status), or follow the results topic."""
     from mmpipe.report import print_result
-    from mmpipe.store import open_store
+    from mmpipe.stages.sink.store import open_store
 
     settings = _settings(bootstrap)
     if follow:
@@ -238,17 +246,20 @@ def chaos(
     jobs: int = typer.Option(2000, help="good jobs to publish (texts, images, speech snippets)"),
     bad: int = typer.Option(100, help="bad inputs interleaved (malformed, corrupt, unknown model, outside roots)"),
     rate: float = typer.Option(60.0, help="publish rate, jobs/s"),
-    out: Path = typer.Option(Path("var/reports/chaos.json"), help="where to write the JSON report"),
+    out: Optional[Path] = typer.Option(None, help="where to write the JSON report (default: <state_dir>/reports/chaos.json)"),
 ) -> None:
     """Fault run on the embedded broker: SIGKILL every stage in turn mid-run, scale inference
     out and in, then count results in the store and on the results topic (lost, duplicated)."""
-    from mmpipe.chaos import run_chaos
+    from mmpipe.harness.chaos import run_chaos
 
-    settings = _settings(allow_random_weights=True, bootstrap="127.0.0.1:0", store_url="sqlite:///var/chaos/results.db",
+    workdir = _settings().state_path("chaos")
+    store = workdir / "results.db"
+    store.unlink(missing_ok=True)
+    settings = _settings(allow_random_weights=True, bootstrap="127.0.0.1:0", store_url=f"sqlite:///{store}",
                          inject_execute_delay_ms=5.0)
-    Path("var/chaos/results.db").unlink(missing_ok=True)
+    out = out or settings.state_path("reports", "chaos.json")
     with console.status(f"fault run: {jobs} jobs + {bad} bad inputs at {rate}/s, killing every stage in turn..."):
-        report = run_chaos(settings, Path("var/chaos"), jobs, bad, rate)
+        report = run_chaos(settings, workdir, jobs, bad, rate)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(report.to_json())
     table = Table(title="fault run")
@@ -269,18 +280,21 @@ def overload(
     service_ms: float = typer.Option(100.0, help="model time per item (injected): sustainable rate = 1000/service_ms"),
     factor: float = typer.Option(10.0, help="arrival rate as a multiple of the sustainable rate"),
     deadline_s: float = typer.Option(5.0, help="each job's deadline"),
-    out: Path = typer.Option(Path("var/reports/overload.json"), help="where to write the JSON report"),
+    out: Optional[Path] = typer.Option(None, help="where to write the JSON report (default: <state_dir>/reports/overload.json)"),
 ) -> None:
     """Overload run on the embedded broker: peak RSS per stage, p99 of admitted jobs against
     their deadline, how much admission control rejected, time back to zero lag."""
-    from mmpipe.overload import OVERLOAD_OVERRIDES, overload_settings, run_overload
+    from mmpipe.harness.overload import OVERLOAD_OVERRIDES, overload_settings, run_overload
     from mmpipe.supervisor import Pipeline
 
-    Path("var/overload/results.db").unlink(missing_ok=True)
-    base = _settings(bootstrap="127.0.0.1:0", store_url="sqlite:///var/overload/results.db", torch_threads=1)
+    workdir = _settings().state_path("overload")
+    store = workdir / "results.db"
+    store.unlink(missing_ok=True)
+    base = _settings(bootstrap="127.0.0.1:0", store_url=f"sqlite:///{store}", torch_threads=1)
     settings = overload_settings(base, service_ms)
+    out = out or settings.state_path("reports", "overload.json")
     with console.status(f"{factor:.0f}x the sustainable rate for {seconds:.0f}s..."):
-        with Pipeline(settings, workdir=Path("var/overload"), replica_overrides=OVERLOAD_OVERRIDES) as pipeline:
+        with Pipeline(settings, workdir=workdir, replica_overrides=OVERLOAD_OVERRIDES) as pipeline:
             report = run_overload(pipeline, 1000 / service_ms, factor, seconds, deadline_s)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(report.to_json())
@@ -290,8 +304,8 @@ def overload(
     raise typer.Exit(0 if ok else 1)
 
 
-# `mmpipe bench`: the benchmark harness (mmpipe/bench/), also benchmarks/run_bench.py.
-from mmpipe.bench.command import bench  # noqa: E402
+# `mmpipe bench`: the benchmark harness (mmpipe/harness/bench/), also benchmarks/run_bench.py.
+from mmpipe.harness.bench.command import bench  # noqa: E402
 
 app.command(name="bench")(bench)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 
-from mmpipe.settings import Settings
-from schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payload, decode_result, encode_event
-from streams.kafka import client_kwargs, make_producer
-from streams.topics import TopicNames
+from mmpipe.schemas.settings import Settings
+from mmpipe.schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payload, decode_result, encode_event
+from mmpipe.streams.kafka import client_kwargs, make_producer
+from mmpipe.streams.topics import TopicNames
 
 EXTENSIONS = {
     "image": {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"},

@@ -12,9 +12,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mmpipe.client import Publisher, collect_results, make_event
 from mmpipe.report import results_table
-from mmpipe.settings import Settings
+from mmpipe.schemas.settings import Settings
 from mmpipe.supervisor import Pipeline
-from schemas import MediaEvent
+from mmpipe.schemas import MediaEvent
 
 DEMO_TEXTS = [
     "Streaming inference turns a model into a service that must behave under real traffic.",
@@ -25,7 +25,7 @@ DEMO_TEXTS = [
 
 def make_demo_media(directory: Path) -> dict[str, Path]:
     """Write the demo's media files once (speech via espeak-ng, video and image via PyAV)."""
-    from mmpipe import samples
+    from mmpipe.stages.decode import samples
 
     directory.mkdir(parents=True, exist_ok=True)
     files = {
@@ -57,13 +57,13 @@ def demo_events(count: int, directory: Path, deadline_s: float | None = None) ->
 
 def run_demo(settings: Settings, jobs: int, timeout_s: float, console: Console) -> bool:
     with console.status("making demo media (espeak-ng speech, H.264 video, PNG image)..."):
-        make_demo_media(Path("var/demo"))
+        make_demo_media(settings.state_path("demo"))
     with console.status("starting the embedded broker and the four stages..."):
         started = time.monotonic()
-        pipeline = Pipeline(settings.model_copy(update={"bootstrap": "127.0.0.1:0"}), workdir=Path("var/run/demo")).start()
+        pipeline = Pipeline(settings.model_copy(update={"bootstrap": "127.0.0.1:0"}), workdir=settings.state_path("run", "demo")).start()
     console.print(f"pipeline up on {pipeline.settings.bootstrap} in {time.monotonic() - started:.1f}s "
                   f"(logs in {pipeline.workdir})")
-    events = demo_events(jobs, Path("var/demo"))
+    events = demo_events(jobs, settings.state_path("demo"))
     try:
         results = asyncio.run(_publish_and_collect(pipeline.settings, events, timeout_s, console))
     finally:
@@ -72,7 +72,7 @@ def run_demo(settings: Settings, jobs: int, timeout_s: float, console: Console) 
     console.print(results_table([results[e.job_id] for e in events if e.job_id in results]))
     if any(r.weights == "random" for r in results.values()):
         console.print("[yellow]note:[/] resnet18 ran with RANDOM weights (no ImageNet weights on this machine:"
-                      " put resnet18-f37072fd.pth in var/weights/); its labels are meaningless, its timings real.")
+                      f" put resnet18-f37072fd.pth in {settings.weights_dir}); its labels are meaningless, its timings real.")
     missing = [e.job_id for e in events if e.job_id not in results]
     if missing:
         console.print(f"[red]no result within {timeout_s:.0f}s for: {', '.join(missing)}[/]")

@@ -25,10 +25,10 @@ from mmpipe.capacity import (
     combine_service,
     parse_metrics,
 )
-from mmpipe.settings import Settings
-from mmpipe.supervisor import PORTS_PER_STAGE, STAGES, metrics_port
-from schemas import JobResult
-from streams.kafka import STAGE_GROUPS, LagReader, PartitionLag, group_id
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.topology import PORTS_PER_STAGE, STAGE_NAMES, metrics_port
+from mmpipe.schemas import JobResult
+from mmpipe.streams.kafka import LagReader, PartitionLag, group_id
 
 BREAKDOWN = (
     ("queue", ("queue_decode_ms", "queue_preprocess_ms", "queue_inference_ms", "queue_sink_ms")),
@@ -88,7 +88,7 @@ def print_result(console: Console, result: JobResult) -> None:
 async def lag_table(settings: Settings) -> Table:
     reader = LagReader(settings)
     try:
-        rows = [row for stage in STAGE_GROUPS for row in await reader.read_stage(stage)]
+        rows = [row for stage in STAGE_NAMES for row in await reader.read_stage(stage)]
     finally:
         await reader.close()
     return partition_lag_table(rows, settings.bootstrap)
@@ -124,7 +124,7 @@ def up_endpoints(base_port: int, host: str = "127.0.0.1") -> list[MetricsEndpoin
     """Every port `up` may have given a stage replica (those not listening cost a refused connect)."""
     return [
         MetricsEndpoint(f"http://{host}:{metrics_port(base_port, stage, j)}/metrics", stage)
-        for stage in STAGES
+        for stage in STAGE_NAMES
         for j in range(PORTS_PER_STAGE)
     ]
 
@@ -164,7 +164,7 @@ class Snapshot:
 async def take_snapshot(reader: LagReader, settings: Settings, endpoints: list[MetricsEndpoint]) -> Snapshot:
     scrapes = asyncio.gather(*(asyncio.to_thread(scrape, e.url) for e in endpoints))
     at = time.monotonic()
-    partitions = {stage: await reader.read_stage(stage) for stage in STAGE_GROUPS}
+    partitions = {stage: await reader.read_stage(stage) for stage in STAGE_NAMES}
     pages = {
         e.url: parse_metrics(text, e.stage)
         for e, text in zip(endpoints, await scrapes)
@@ -235,15 +235,15 @@ async def capacity_report(
         before = await take_snapshot(reader, settings, endpoints)
         await asyncio.sleep(max(window_s - (time.monotonic() - before.at), 0.0))
         after = await take_snapshot(reader, settings, endpoints)
-        members = {stage: await reader.group_members(group_id(settings, stage)) for stage in STAGE_GROUPS}
+        members = {stage: await reader.group_members(group_id(settings, stage)) for stage in STAGE_NAMES}
     finally:
         await reader.close()
     workers = stage_workers(settings)
     hints = [
         capacity_hint(stage_load(stage, before, after, workers[stage], members[stage]), target)
-        for stage in STAGE_GROUPS
+        for stage in STAGE_NAMES
     ]
-    rows = [row for stage in STAGE_GROUPS for row in after.partitions[stage]]
+    rows = [row for stage in STAGE_NAMES for row in after.partitions[stage]]
     return CapacityReport(settings.bootstrap, after.at - before.at, target, hints, rows, len(after.pages))
 
 

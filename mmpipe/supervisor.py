@@ -16,18 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from mmpipe.settings import SETTINGS_FILE_ENV, Settings, write_settings
-from streams.broker import EmbeddedBroker, free_port
-from streams.kafka import ensure_topics
+from mmpipe.schemas.settings import SETTINGS_FILE_ENV, Settings, write_settings
+from mmpipe.streams.broker import EmbeddedBroker, free_port
+from mmpipe.streams.kafka import ensure_topics
+from mmpipe.streams.topology import PIPELINE, metrics_port
 
-STAGES = ("decode", "preprocess", "inference", "sink")
-# Given a base port, stage i's replica j serves its metrics at base + PORTS_PER_STAGE * i + j.
-PORTS_PER_STAGE = 10
 READY_FILE_ENV = "MMPIPE_READY_FILE"
-
-
-def metrics_port(base: int, stage: str, index: int) -> int:
-    return base + PORTS_PER_STAGE * STAGES.index(stage) + index
 
 
 @dataclass
@@ -49,7 +43,7 @@ class StageProcess:
 @dataclass
 class Pipeline:
     settings: Settings
-    workdir: Path = Path("var/run")
+    workdir: Path | None = None  # default: <state_dir>/run
     embedded_broker: bool = True
     replicas: dict[str, int] = field(default_factory=dict)
     metrics_base_port: int = 0  # 0: no metrics servers; else stage i replica j gets base+10*i+j
@@ -60,6 +54,10 @@ class Pipeline:
     processes: list[StageProcess] = field(default_factory=list)
 
     # Lifecycle ------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        if self.workdir is None:
+            self.workdir = self.settings.state_path("run")
+
     def start(self, timeout_s: float = 180.0) -> Pipeline:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.embedded_broker:
@@ -67,9 +65,9 @@ class Pipeline:
             self.broker = EmbeddedBroker(port=port or free_port(), log_path=self.workdir / "broker.log")
             self.settings = self.settings.model_copy(update={"bootstrap": self.broker.start()})
         asyncio.run(ensure_topics(self.settings))
-        for stage in STAGES:
-            for index in range(self.replicas.get(stage, 1)):
-                self.spawn(stage, index)
+        for spec in PIPELINE:
+            for index in range(self.replicas.get(spec.name, spec.default_replicas)):
+                self.spawn(spec.name, index)
         self.wait_ready(timeout_s)
         return self
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import ModelRef
+from mmpipe.schemas import ModelRef
 
 
 class ModelError(Exception):

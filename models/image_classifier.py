@@ -16,7 +16,7 @@ import torch
 import torchvision
 from torchvision.transforms import v2
 
-from models.base import (
+from mmpipe.models.base import (
     BadInput,
     DecodeHints,
     LoadedModel,
@@ -25,7 +25,7 @@ from models.base import (
     TensorSpec,
     WeightsUnavailable,
 )
-from models.torch_util import inference_context, resolve_device
+from mmpipe.models.torch_util import inference_context, resolve_device
 
 log = logging.getLogger(__name__)
 

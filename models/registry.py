@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from models.base import ModelSpec, UnknownModel, WrongModality
-from schemas import ModelRef
+from mmpipe.models.base import ModelSpec, UnknownModel, WrongModality
+from mmpipe.schemas import ModelRef
 
 # modality -> (name, version) used when an event names no model; a video's frames use the
 # image default (or the event's model) and its audio track the audio default.
@@ -19,9 +19,9 @@ KIND_OF_MODALITY = {"image": "image", "audio": "audio", "text": "text", "video":
 
 @lru_cache(maxsize=1)
 def all_specs() -> dict[ModelRef, ModelSpec]:
-    from models.image_classifier import resnet18_spec
-    from models.silero_vad import SileroVadSpec
-    from models.text_embedding import TextEmbeddingSpec
+    from mmpipe.models.image_classifier import resnet18_spec
+    from mmpipe.models.silero_vad import SileroVadSpec
+    from mmpipe.models.text_embedding import TextEmbeddingSpec
 
     specs = [resnet18_spec(), SileroVadSpec(), TextEmbeddingSpec()]
     return {spec.ref: spec for spec in specs}

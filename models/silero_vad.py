@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torchaudio
 
-from models.base import (
+from mmpipe.models.base import (
     BadInput,
     DecodeHints,
     LoadedModel,
@@ -23,7 +23,7 @@ from models.base import (
     TensorSpec,
     bucket_length,
 )
-from models.torch_util import resolve_device
+from mmpipe.models.torch_util import resolve_device
 
 SAMPLE_RATE = 16_000
 WINDOW_SAMPLES = 512  # silero's frame at 16 kHz

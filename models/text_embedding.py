@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.base import (
+from mmpipe.models.base import (
     BadInput,
     LoadedModel,
     ModelConfig,
@@ -21,7 +21,7 @@ from models.base import (
     TensorSpec,
     bucket_length,
 )
-from models.torch_util import inference_context, resolve_device
+from mmpipe.models.torch_util import inference_context, resolve_device
 
 MAX_TOKENS = 256  # sentence_bert_config.json max_seq_length
 BUCKETS = (16, 32, 64, 128, MAX_TOKENS)

@@ -1,6 +1,6 @@
 """Event, work-item and result contracts (versioned) and their serialisation."""
 
-from schemas.codec import (
+from mmpipe.schemas.codec import (
     BadMessage,
     WorkItem,
     decode_dead_letter,
@@ -14,7 +14,7 @@ from schemas.codec import (
     peek_header,
     to_json,
 )
-from schemas.events import (
+from mmpipe.schemas.events import (
     SCHEMA_VERSION,
     DeadLetter,
     JobResult,

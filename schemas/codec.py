@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import orjson
 
-from schemas.events import (
+from mmpipe.schemas.events import (
     MODALITIES,
     SCHEMA_VERSION,
     DeadLetter,

@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from models.base import LoadedModel
-from models.registry import specs_by_name
-from models.torch_util import gpu_memory_bytes, resolve_device
-from schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
-from streams.batching import DynamicBatcher, Expired, ItemFailed
-from streams.stage import Incoming, Outgoing, Stage
+from mmpipe.models.base import LoadedModel
+from mmpipe.models.registry import specs_by_name
+from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
+from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
+from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
+from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 log = logging.getLogger(__name__)
 

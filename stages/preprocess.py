@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from models.base import BadInput, ModelError
-from models.registry import all_specs, get_spec
-from schemas import BadMessage, WorkItem, decode_work_item, encode_work_item
-from streams.stage import Incoming, Outgoing, Stage
+from mmpipe.models.base import BadInput, ModelError
+from mmpipe.models.registry import all_specs, get_spec
+from mmpipe.schemas import BadMessage, WorkItem, decode_work_item, encode_work_item
+from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 
 class PreprocessStage(Stage):

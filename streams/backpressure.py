@@ -26,7 +26,7 @@ from typing import Any
 
 from faust.types import TP
 
-from streams.metrics import StageMetrics
+from mmpipe.streams.metrics import StageMetrics
 
 TPLike = Any  # faust TP / aiokafka TopicPartition: (topic, partition) named tuple
 

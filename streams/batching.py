@@ -24,8 +24,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmpipe.settings import BatchingSettings
-from streams.metrics import StageMetrics
+from mmpipe.schemas.settings import BatchingSettings
+from mmpipe.streams.metrics import StageMetrics
 
 log = logging.getLogger(__name__)
 

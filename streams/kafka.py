@@ -15,12 +15,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from mmpipe.settings import Settings
-from streams.topics import TopicNames
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.topics import TopicNames
+from mmpipe.streams.topology import stage_spec
 
 log = logging.getLogger(__name__)
-
-STAGE_GROUPS = ("decode", "preprocess", "inference", "sink")
 
 
 def group_id(settings: Settings, stage: str) -> str:
@@ -28,23 +27,15 @@ def group_id(settings: Settings, stage: str) -> str:
 
 
 def stage_input_topics(settings: Settings, stage: str) -> list[str]:
-    names = TopicNames(settings.topic_prefix)
-    return {
-        "decode": [names.events],
-        "preprocess": [names.decoded],
-        "inference": [names.ready],
-        "sink": [names.predictions, names.dead_letter, names.status],
-    }[stage]
+    return [topic.name(settings.topic_prefix) for topic in stage_spec(stage).inputs]
 
 
 def downstream_of(settings: Settings, stage: str) -> tuple[str, str] | None:
     """(output topic, consuming group) of the stage after `stage`; None after the sink."""
-    names = TopicNames(settings.topic_prefix)
-    return {
-        "decode": (names.decoded, group_id(settings, "preprocess")),
-        "preprocess": (names.ready, group_id(settings, "inference")),
-        "inference": (names.predictions, group_id(settings, "sink")),
-    }.get(stage)
+    spec = stage_spec(stage)
+    if spec.output is None or spec.downstream is None:
+        return None
+    return spec.output.name(settings.topic_prefix), group_id(settings, spec.downstream)
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

@@ -29,13 +29,13 @@ import faust
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from faust.sensors.prometheus import FaustMetrics
 
-from mmpipe.settings import Settings
-from schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Prediction, peek_header, to_json
-from streams import transport
-from streams.backpressure import PartitionGate
-from streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
-from streams.metrics import StageMetrics, StageMonitor, serve_metrics
-from streams.topics import TopicNames
+from mmpipe.schemas.settings import Settings
+from mmpipe.schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Prediction, peek_header, to_json
+from mmpipe.streams import transport
+from mmpipe.streams.backpressure import PartitionGate
+from mmpipe.streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
+from mmpipe.streams.metrics import StageMetrics, StageMonitor, serve_metrics
+from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float) -> float:
 
 def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
     scheme = transport.register(settings.fetch_max_wait_ms)
-    datadir = Path("var/faust")
+    datadir = settings.state_path("faust")
     datadir.mkdir(parents=True, exist_ok=True)
     return faust.App(
         group_id(settings, stage_name),
@@ -193,7 +193,7 @@ def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
 
 
 def _faust_credentials(settings: Settings) -> Any:
-    from streams.kafka import ssl_context
+    from mmpipe.streams.kafka import ssl_context
 
     sec = settings.security
     context = ssl_context(settings)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mmpipe.settings import BatchingSettings, Settings
+from mmpipe.schemas.settings import BatchingSettings, Settings
 from mmpipe.supervisor import Pipeline
-from streams.broker import EmbeddedBroker
+from mmpipe.streams.broker import EmbeddedBroker
 from tests.pg import fresh_postgres_url, own_postgres_server, postgres_server, postgres_url  # noqa: F401 - real PostgreSQL
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

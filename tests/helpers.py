@@ -7,9 +7,9 @@ import time
 from collections.abc import Iterable
 
 from mmpipe.client import Publisher, follow_results
-from mmpipe.settings import Settings
-from mmpipe.store import open_store
-from schemas import JobResult, MediaEvent
+from mmpipe.schemas.settings import Settings
+from mmpipe.stages.sink.store import open_store
+from mmpipe.schemas import JobResult, MediaEvent
 
 
 def publish(settings: Settings, events: Iterable[MediaEvent]) -> list[str]:

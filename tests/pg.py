@@ -20,7 +20,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from streams.broker import free_port
+from mmpipe.streams.broker import free_port
 
 SUPERUSER = "postgres"
 START_ATTEMPTS = 3  # a free port picked here can be taken by someone else before the server binds it

@@ -22,13 +22,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from fastapi import FastAPI
 
-from mmpipe import samples
+from mmpipe.stages.decode import samples
 from mmpipe.api import ENVELOPE_BYTES, create_app
-from mmpipe.settings import SETTINGS_FILE_ENV, Settings, write_settings
-from mmpipe.store import open_store
-from streams.broker import free_port
-from streams.kafka import client_kwargs
-from streams.topics import TopicNames
+from mmpipe.schemas.settings import SETTINGS_FILE_ENV, Settings, write_settings
+from mmpipe.stages.sink.store import open_store
+from mmpipe.streams.broker import free_port
+from mmpipe.streams.kafka import client_kwargs
+from mmpipe.streams.topics import TopicNames
 
 pytestmark = pytest.mark.timeout(300)
 

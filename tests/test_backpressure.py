@@ -13,9 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmpipe.client import make_event
-from mmpipe.settings import BatchingSettings
-from mmpipe.store import count_results
-from mmpipe.supervisor import STAGES, Pipeline, metrics_port
+from mmpipe.schemas.settings import BatchingSettings
+from mmpipe.stages.sink.store import count_results
+from mmpipe.streams.topology import STAGE_NAMES, metrics_port
+from mmpipe.supervisor import Pipeline
 from tests.conftest import make_settings
 from tests.helpers import publish, wait_for_results
 
@@ -55,7 +56,7 @@ def slow_pipeline(broker, tmp_path_factory, media_dir):
     pipeline = Pipeline(settings, workdir=workdir, embedded_broker=False, metrics_base_port=base,
                         replica_overrides={("inference", 0): {"inject_execute_delay_ms": 120}})
     pipeline.start()
-    pipeline.ports = {stage: metrics_port(base, stage, 0) for stage in STAGES}
+    pipeline.ports = {stage: metrics_port(base, stage, 0) for stage in STAGE_NAMES}
     try:
         yield pipeline
     finally:
@@ -70,7 +71,7 @@ def test_slow_inference_pauses_upstream_with_bounded_backlog_then_drains(slow_pi
 
     peak_ready_lag = peak_decode_lag = 0.0
     decode_paused_seen = False
-    peak_inflight = {stage: 0.0 for stage in STAGES}
+    peak_inflight = {stage: 0.0 for stage in STAGE_NAMES}
     deadline = time.monotonic() + 240
     store_done = False
     while time.monotonic() < deadline and not store_done:
@@ -79,7 +80,7 @@ def test_slow_inference_pauses_upstream_with_bounded_backlog_then_drains(slow_pi
         peak_ready_lag = max([peak_ready_lag, *metric(pre, "mm_consumer_lag", group=f"{prefix}-inference")])
         peak_decode_lag = max([peak_decode_lag, sum(metric(dec, "mm_consumer_lag", group=f"{prefix}-decode"))])
         decode_paused_seen |= any(v == 1 for v in metric(dec, "mm_partition_paused", stage="decode"))
-        for stage in STAGES:
+        for stage in STAGE_NAMES:
             peak_inflight[stage] = max(peak_inflight[stage], *metric(scrape(ports[stage]), "mm_inflight_items") or [0])
         store_done = _all_done(settings, events)
         time.sleep(0.2)
@@ -102,7 +103,7 @@ def test_slow_inference_pauses_upstream_with_bounded_backlog_then_drains(slow_pi
 
     # Once drained: partitions resumed, lag back to zero everywhere.
     time.sleep(2.0)
-    for stage in STAGES:
+    for stage in STAGE_NAMES:
         samples = scrape(ports[stage])
         assert all(v == 0 for v in metric(samples, "mm_consumer_lag", group=f"{prefix}-{stage}")), stage
         assert all(v == 0 for v in metric(samples, "mm_partition_paused")), stage
@@ -111,7 +112,7 @@ def test_slow_inference_pauses_upstream_with_bounded_backlog_then_drains(slow_pi
 def test_metrics_export_the_stage_table(slow_pipeline):
     """Every stage serves the design table's metrics: queue wait, service time, batch sizes."""
     samples = {stage: scrape(port) for stage, port in slow_pipeline.ports.items()}
-    for stage in STAGES:
+    for stage in STAGE_NAMES:
         assert metric(samples[stage], "mm_queue_wait_seconds_count", stage=stage)[0] > 0
         assert metric(samples[stage], "process_resident_memory_bytes")
     assert metric(samples["decode"], "mm_service_seconds_count", step="decode")[0] > 0

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmpipe.settings import BatchingSettings
-from streams.batching import BatchPolicy, DynamicBatcher, Expired, ItemFailed, Pending
+from mmpipe.schemas.settings import BatchingSettings
+from mmpipe.streams.batching import BatchPolicy, DynamicBatcher, Expired, ItemFailed, Pending
 
 
 def item(name: str, t: float, key: object = "a", deadline: float = 1e9) -> Pending:
@@ -178,7 +178,7 @@ async def test_deadline_passing_in_the_queue_answers_expired():
 
 
 # The commit rule (streams/transport.py): never commit past unfinished work ------------------
-from streams.transport import first_committable_run  # noqa: E402
+from mmpipe.streams.transport import first_committable_run  # noqa: E402
 
 
 def test_commit_waits_for_the_message_at_the_committed_offset():

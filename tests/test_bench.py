@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from mmpipe.bench import simulate, traffic
-from mmpipe.bench.config import BenchConfig
-from mmpipe.bench.runner import run_bench
+from mmpipe.harness.bench import simulate, traffic
+from mmpipe.harness.bench.config import BenchConfig
+from mmpipe.harness.bench.runner import run_bench
 
 
 def test_schedules_are_seeded_and_shaped():

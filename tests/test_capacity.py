@@ -22,9 +22,9 @@ from mmpipe.capacity import (
 )
 from mmpipe.client import make_event
 from mmpipe.report import capacity_report, capacity_table, replica_endpoints, up_endpoints
-from streams.broker import free_port
-from streams.kafka import ensure_topics
-from streams.metrics import StageMetrics
+from mmpipe.streams.broker import free_port
+from mmpipe.streams.kafka import ensure_topics
+from mmpipe.streams.metrics import StageMetrics
 from tests.conftest import make_settings
 from tests.helpers import publish
 

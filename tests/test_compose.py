@@ -22,15 +22,15 @@ import typer.main
 import yaml
 from pydantic import BaseModel
 
-from mmpipe.cli import STAGE_CLASSES, app
-from mmpipe.settings import SETTINGS_FILE_ENV, Settings
+from mmpipe.cli import app
+from mmpipe.streams.topology import STAGE_NAMES
+from mmpipe.schemas.settings import SETTINGS_FILE_ENV, Settings
 from mmpipe.supervisor import READY_FILE_ENV
 
 COMPOSE_DIR = Path(__file__).resolve().parent.parent / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 ENV_EXAMPLE = COMPOSE_DIR / ".env.example"
 DOCKERFILE = "compose/Dockerfile"
-STAGES = tuple(STAGE_CLASSES)
 # Read by processes outside Settings (the supervisor's hand-offs), so not Settings fields.
 NON_SETTINGS_ENV = {SETTINGS_FILE_ENV, READY_FILE_ENV}
 
@@ -162,9 +162,9 @@ def test_service_command_parses_against_the_cli(services, name):
 
 def test_every_stage_has_exactly_one_worker_service(services):
     stages = [stage_of(svc) for svc in stage_services(services).values()]
-    assert sorted(stages) == sorted(STAGES), f"worker services run {stages}; the stages are {list(STAGES)}"
+    assert sorted(stages) == sorted(STAGE_NAMES), f"worker services run {stages}; the stages are {list(STAGE_NAMES)}"
     for name, service in stage_services(services).items():
-        assert stage_of(service) in STAGE_CLASSES
+        assert stage_of(service) in STAGE_NAMES
         assert name == stage_of(service), "the service is named after its stage (Prometheus and docs rely on it)"
 
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from mmpipe.chaos import ChaosRun, bad_workload, kill_every_stage_plan, workload
-from mmpipe.settings import BatchingSettings
-from mmpipe.store import open_store
-from mmpipe.store.sqlite import sqlite_path
+from mmpipe.harness.chaos import ChaosRun, bad_workload, kill_every_stage_plan, workload
+from mmpipe.schemas.settings import BatchingSettings
+from mmpipe.stages.sink.store import open_store
+from mmpipe.stages.sink.store.sqlite import sqlite_path
 from mmpipe.supervisor import Pipeline
 from tests.conftest import make_settings
 

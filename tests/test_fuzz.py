@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmpipe import samples
-from mmpipe.media import DecodeLimits, MediaError, decode_audio, decode_image, decode_video
-from mmpipe.settings import Settings
-from schemas import BadMessage, MediaEvent, decode_event, decode_work_item
-from stages.decode import DecodeStage
-from streams.metrics import StageMetrics
-from streams.stage import Incoming, Outgoing
+from mmpipe.stages.decode import samples
+from mmpipe.stages.decode.media import DecodeLimits, MediaError, decode_audio, decode_image, decode_video
+from mmpipe.schemas.settings import Settings
+from mmpipe.schemas import BadMessage, MediaEvent, decode_event, decode_work_item
+from mmpipe.stages.decode import DecodeStage
+from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.stage import Incoming, Outgoing
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LIMITS = DecodeLimits(video_max_frames=2, audio_max_seconds=5)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmpipe import samples
-from mmpipe.media import DecodeLimits, MediaError, decode_image
+from mmpipe.stages.decode import samples
+from mmpipe.stages.decode.media import DecodeLimits, MediaError, decode_image
 
 LIMITS = DecodeLimits(image_short_side=256)
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mmpipe.overload import OVERLOAD_OVERRIDES, overload_settings, run_overload
+from mmpipe.harness.overload import OVERLOAD_OVERRIDES, overload_settings, run_overload
 from mmpipe.supervisor import Pipeline
 from tests.conftest import make_settings
 

@@ -8,10 +8,10 @@ import time
 import orjson
 import pytest
 
-from mmpipe import samples
+from mmpipe.stages.decode import samples
 from mmpipe.client import make_event
-from mmpipe.store import open_store
-from schemas import ModelRef, Prediction, to_json
+from mmpipe.stages.sink.store import open_store
+from mmpipe.schemas import ModelRef, Prediction, to_json
 from tests.helpers import publish, publish_raw, topic_results, wait_for_results
 
 pytestmark = pytest.mark.timeout(600)
@@ -143,7 +143,7 @@ def test_redelivered_job_and_duplicate_prediction_make_one_result(shared_pipelin
 def _publish_to(settings, topic: str, key: bytes, value: bytes) -> None:
     import asyncio
 
-    from streams.kafka import make_producer
+    from mmpipe.streams.kafka import make_producer
 
     async def go() -> None:
         producer = make_producer(settings)

@@ -16,13 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmpipe.store import Final, ResultStore, StoreUnavailable, open_store
-from mmpipe.store.postgres import PostgresStore
-from mmpipe.store.sqlite import SqliteStore
-from schemas import DeadLetter, JobResult, ModelRef, Prediction
-from stages.sink import assemble, failed_result
+from mmpipe.stages.sink.store import Final, ResultStore, StoreUnavailable, open_store
+from mmpipe.stages.sink.store.postgres import PostgresStore
+from mmpipe.stages.sink.store.sqlite import SqliteStore
+from mmpipe.schemas import DeadLetter, JobResult, ModelRef, Prediction
+from mmpipe.stages.sink import assemble, failed_result
 from tests import pg
-from streams.broker import free_port
+from mmpipe.streams.broker import free_port
 from tests.pg import PostgresServer
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mmpipe import samples
+from mmpipe.stages.decode import samples
 from mmpipe.client import make_event
-from mmpipe.media import DecodeLimits, decode_audio, decode_image
-from schemas import MediaEvent
+from mmpipe.stages.decode.media import DecodeLimits, decode_audio, decode_image
+from mmpipe.schemas import MediaEvent
 
 IMAGE_SIZE = (640, 480)
 IMAGE_VARIANTS = 8

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import orjson
 
-from mmpipe import samples
+from mmpipe.stages.decode import samples
 from mmpipe.client import Publisher, follow_results, make_event
-from mmpipe.settings import Settings
-from mmpipe.store import StoreUnavailable, count_results, open_store
-from mmpipe.supervisor import STAGES, Pipeline
-from schemas import MediaEvent, ModelRef, to_json
+from mmpipe.schemas.settings import Settings
+from mmpipe.stages.sink.store import StoreUnavailable, count_results, open_store
+from mmpipe.streams.topology import STAGE_NAMES
+from mmpipe.supervisor import Pipeline
+from mmpipe.schemas import MediaEvent, ModelRef, to_json
 
 
 @dataclass
@@ -185,8 +186,8 @@ async def _read_topic(settings: Settings) -> list:
 
 def kill_every_stage_plan(run: ChaosRun) -> list[tuple[float, Callable[[], None]]]:
     """SIGKILL each stage in turn while traffic flows; each restarts and rejoins its group."""
-    steps = len(STAGES) + 1
-    return [((i + 1) / steps, lambda stage=stage: run.kill_and_restart(stage)) for i, stage in enumerate(STAGES)]
+    steps = len(STAGE_NAMES) + 1
+    return [((i + 1) / steps, lambda stage=stage: run.kill_and_restart(stage)) for i, stage in enumerate(STAGE_NAMES)]
 
 
 def run_chaos(settings: Settings, workdir: Path, jobs: int, bad: int, rate: float,

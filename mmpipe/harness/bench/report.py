@@ -9,8 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from mmpipe.bench.stats import SPANS
-from mmpipe.bench.targets import curve_throughput
+from mmpipe.harness.bench.stats import SPANS
+from mmpipe.harness.bench.targets import curve_throughput
 
 STATUS_STYLE = {"PASS": "[green]PASS[/]", "MISS": "[red]MISS[/]", "N/A": "[yellow]N/A[/]"}
 MAIN_COLOURS = {"off": "tab:red", "static": "tab:orange", "dynamic": "tab:blue"}

@@ -24,8 +24,8 @@ def bench(
     preprocess_replicas: int = typer.Option(0, help="preprocess stage processes (0: auto)"),
 ) -> None:
     """Benchmark batching policies on the real pipeline (embedded broker, one process per stage)."""
-    from mmpipe.bench.config import MODALITIES, SCENARIOS, BenchConfig
-    from mmpipe.bench.runner import run_bench
+    from mmpipe.harness.bench.config import MODALITIES, SCENARIOS, BenchConfig
+    from mmpipe.harness.bench.runner import run_bench
 
     scenarios = SCENARIOS if scenario == "all" else tuple(s.strip() for s in scenario.split(",") if s.strip())
     unknown = set(scenarios) - set(SCENARIOS)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mmpipe.bench.config import TARGET_LOAD
-from mmpipe.bench.stats import dominant_stage
-from mmpipe.supervisor import STAGES
+from mmpipe.harness.bench.config import TARGET_LOAD
+from mmpipe.harness.bench.stats import dominant_stage
+from mmpipe.streams.topology import STAGE_NAMES
 
 GAIN_CAPTURE = 0.9  # share of the model-alone batching gain the pipeline must keep
 OVERHEAD = 0.9  # pipeline throughput over model-alone throughput at the same batch size
@@ -193,7 +193,7 @@ def _memory(result: dict[str, Any], budget: int) -> dict[str, Any]:
     beside them, not judged: its memory storage keeps every record (no retention), so it grows
     with what a run publishes by design."""
     mem = result["memory"]
-    stages = {k: v for k, v in mem["peak_rss_mib"].items() if k.split("-")[0] in STAGES}
+    stages = {k: v for k, v in mem["peak_rss_mib"].items() if k.split("-")[0] in STAGE_NAMES}
     if not stages:
         return _check("peak RSS per stage within budget", None, budget / 1024**2, None, "no stage processes sampled", unit="MiB")
     worst_name = max(stages, key=stages.get)

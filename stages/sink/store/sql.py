@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mmpipe.store.base import (
+from mmpipe.stages.sink.store.base import (
     STATE_RANK,
     TERMINAL_STATE,
     Assemble,
@@ -24,7 +24,7 @@ from mmpipe.store.base import (
     part_body,
     result_body,
 )
-from schemas import DeadLetter, JobResult, Prediction
+from mmpipe.schemas import DeadLetter, JobResult, Prediction
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS jobs (

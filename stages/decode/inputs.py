@@ -13,8 +13,8 @@ import asyncio
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from mmpipe.settings import Settings
-from schemas import Payload
+from mmpipe.schemas.settings import Settings
+from mmpipe.schemas import Payload
 
 
 class InputError(ValueError):

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import JobResult
+from mmpipe.schemas import JobResult
 
 # The spans of Timings, in path order; together they tile end_to_end_ms.
 SPANS = (

@@ -20,8 +20,8 @@ import psycopg
 import psycopg.errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from mmpipe.store.base import StoreUnavailable
-from mmpipe.store.sql import SqlStore
+from mmpipe.stages.sink.store.base import StoreUnavailable
+from mmpipe.stages.sink.store.sql import SqlStore
 
 CONNECT_TIMEOUT_S = 5  # a dead server must surface as StoreUnavailable soon, not hang the sink
 

@@ -24,18 +24,17 @@ from typing import Any
 
 from rich.console import Console
 
-from mmpipe.bench import decode_bench, report, simulate, stats, targets, traffic
-from mmpipe.bench.config import TARGET_LOAD, BenchConfig
-from mmpipe.bench.env import environment
-from mmpipe.bench.model_alone import ModelCurve, batch_sizes, measure_curve
-from mmpipe.bench.pipeline_run import BenchPipeline, Policy, RunData, Topology
-from mmpipe.bench.resources import ResourceSampler
-from mmpipe.bench.workload import Workload, decode_clip, model_input
-from mmpipe.settings import Settings, load_settings
-from models.registry import DEFAULTS, resolve
-from models.torch_util import resolve_device
+from mmpipe.harness.bench import decode_bench, report, simulate, stats, targets, traffic
+from mmpipe.harness.bench.config import TARGET_LOAD, BenchConfig
+from mmpipe.harness.bench.env import environment
+from mmpipe.harness.bench.model_alone import ModelCurve, batch_sizes, measure_curve
+from mmpipe.harness.bench.pipeline_run import BenchPipeline, Policy, RunData, Topology
+from mmpipe.harness.bench.resources import ResourceSampler
+from mmpipe.harness.bench.workload import Workload, decode_clip, model_input
+from mmpipe.schemas.settings import Settings, load_settings
+from mmpipe.models.registry import DEFAULTS, resolve
+from mmpipe.models.torch_util import resolve_device
 
-CACHE_DIR = Path("var/bench-cache")
 # Pipeline settings that shape the figures, reported with them.
 REPORTED_SETTINGS = {
     "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
@@ -67,6 +66,7 @@ class Runner:
         self.sampler = ResourceSampler(gpu=self.device.startswith("cuda"))
         self._tags = 0
         self._warm = False
+        self.cache_dir = load_settings().state_path("bench-cache")
 
     # Top level -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -79,7 +79,7 @@ class Runner:
         meta["replicas"] = cfg.replicas()
         self.say(f"device {self.device}, torch threads {cfg.threads()} per stage process, replicas {cfg.replicas()}")
         with self.console.status("preparing media (PyAV, espeak-ng)..."):
-            self.work = Workload.prepare(CACHE_DIR / "media", cfg.modalities_needed())
+            self.work = Workload.prepare(self.cache_dir / "media", cfg.modalities_needed())
         decode = self.decode_phase()
         self.curve = self.model_phase()
         self.policies = plan_policies(self.curve, cfg)
@@ -116,7 +116,7 @@ class Runner:
     # Phases --------------------------------------------------------------------------------------
     def decode_phase(self) -> decode_bench.DecodeResult:
         with self.console.status("decode: 720p H.264 clip, decode_video vs bare PyAV loop..."):
-            clip = decode_clip(CACHE_DIR, self.cfg.decode_clip_s)
+            clip = decode_clip(self.cache_dir, self.cfg.decode_clip_s)
             result = decode_bench.run(clip, self.cfg.decode_repeats)
         self.say(f"decode: bare {result.bare_fps:.0f} fps, decode_video {result.stage_fps:.0f} fps (ratio {result.ratio:.2f})")
         return result

@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from mmpipe.store import Final, ResultStore, StoreUnavailable, open_store
-from schemas import (
+from mmpipe.stages.sink.store import Final, ResultStore, StoreUnavailable, open_store
+from mmpipe.schemas import (
     DeadLetter,
     JobResult,
     Prediction,
@@ -24,7 +24,7 @@ from schemas import (
     decode_status,
     to_json,
 )
-from streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage
+from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage
 
 MERGE_GAP_S = 0.05  # speech segments split only by an audio window boundary are joined
 GROUP_COMMIT_MAX = 256  # store calls per transaction

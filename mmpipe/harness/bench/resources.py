@@ -19,8 +19,9 @@ from typing import Any
 
 import psutil
 
-from mmpipe.settings import Settings
-from streams.kafka import STAGE_GROUPS, LagReader
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.kafka import LagReader
+from mmpipe.streams.topology import STAGE_NAMES
 
 MiB = 1024 * 1024
 
@@ -188,7 +189,7 @@ class LagSampler:
 
     async def sample(self) -> None:
         assert self._reader is not None
-        for stage in STAGE_GROUPS:
+        for stage in STAGE_NAMES:
             try:
                 rows = await self._reader.read_stage(stage)
             except Exception:  # telemetry: a failed read must not fail the run
@@ -199,4 +200,4 @@ class LagSampler:
 
     def idle(self) -> bool:
         """Every stage has committed all it was given (nothing is in flight anywhere)."""
-        return len(self.last) == len(STAGE_GROUPS) and all(lag <= 0 for lag in self.last.values())
+        return len(self.last) == len(STAGE_NAMES) and all(lag <= 0 for lag in self.last.values())

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BatchMode = Literal["dynamic", "static", "off"]
@@ -48,6 +48,11 @@ class Settings(BaseSettings):
         env_file=".env",
         extra="ignore",
     )
+
+    # Where every process keeps its local state (store, faust data, run logs, weights, reports):
+    # the one place relative paths start from. Made absolute when settings load, so a child
+    # process started elsewhere sees the same folder.
+    state_dir: Path = Path("var")
 
     # --- Kafka ---------------------------------------------------------------------------
     bootstrap: str = "127.0.0.1:9092"
@@ -113,7 +118,7 @@ class Settings(BaseSettings):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
     models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2"])
-    weights_dir: Path = Path("var/weights")
+    weights_dir: Path | None = None  # default: <state_dir>/weights
     allow_random_weights: bool = False
     batching: dict[str, BatchingSettings] = Field(default_factory=dict)
     default_batching: BatchingSettings = BatchingSettings()
@@ -122,7 +127,7 @@ class Settings(BaseSettings):
     inject_execute_delay_ms: float = Field(0.0, ge=0.0)
 
     # --- Sink ---------------------------------------------------------------------------
-    store_url: str = "sqlite:///var/results.db"
+    store_url: str = ""  # default: sqlite:///<state_dir>/results.db
 
     # --- Observability ------------------------------------------------------------------
     metrics_port: int = 0  # 0 = no metrics server; `up` gives each stage its own port
@@ -154,6 +159,19 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [m.strip() for m in value.split(",") if m.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _paths_under_state_dir(self) -> Settings:
+        self.state_dir = self.state_dir.absolute()
+        if self.weights_dir is None:
+            self.weights_dir = self.state_dir / "weights"
+        if not self.store_url:
+            self.store_url = f"sqlite:///{self.state_dir / 'results.db'}"
+        return self
+
+    def state_path(self, *parts: str) -> Path:
+        """A path under the state directory (not created)."""
+        return self.state_dir.joinpath(*parts)
 
     def batching_for(self, model_name: str) -> BatchingSettings:
         return self.batching.get(model_name, self.default_batching)

@@ -15,14 +15,14 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mmpipe.inputs import InputError, read_payload
-from mmpipe.media import DecodedMedia, DecodeLimits, MediaError, decode_audio, decode_image, decode_text, decode_video, windows
-from models.base import ModelError, ModelSpec
-from models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
-from schemas import BadMessage, MediaEvent, WorkItem, decode_event, encode_work_item
-from mmpipe.settings import Settings
-from streams.metrics import StageMetrics
-from streams.stage import Incoming, Outgoing, Stage
+from mmpipe.stages.decode.inputs import InputError, read_payload
+from mmpipe.stages.decode.media import DecodedMedia, DecodeLimits, MediaError, decode_audio, decode_image, decode_text, decode_video, windows
+from mmpipe.models.base import ModelError, ModelSpec
+from mmpipe.models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
+from mmpipe.schemas import BadMessage, MediaEvent, WorkItem, decode_event, encode_work_item
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 
 class DecodeStage(Stage):
@@ -39,7 +39,7 @@ class DecodeStage(Stage):
 
     def _warm_up(self) -> None:
         """Decode a tiny clip once so codec and swscale set-up is not billed to the first job."""
-        from mmpipe import samples
+        from mmpipe.stages.decode import samples
 
         clip = samples.encode_video(seconds=1.0, width=64, height=48, audio=samples.tone_pcm(1.0))
         decode_video(clip, DecodeLimits(video_max_frames=1))

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mmpipe.store.base import StoreUnavailable
-from mmpipe.store.sql import SqlStore
+from mmpipe.stages.sink.store.base import StoreUnavailable
+from mmpipe.stages.sink.store.sql import SqlStore
 
 
 # OperationalError messages that mean the database is unavailable for now, not misused.

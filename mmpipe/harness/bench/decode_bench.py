@@ -1,4 +1,4 @@
-"""Decode cost: mmpipe.media.decode_video against a bare PyAV decode loop, one thread each.
+"""Decode cost: mmpipe.stages.decode.media.decode_video against a bare PyAV decode loop, one thread each.
 
 Both decode every frame of the same 720p H.264 clip (inter-frame codecs need every packet);
 decode_video also samples frames and converts the sampled ones to downscaled RGB, which is what
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import av
 
-from mmpipe.media import DecodeLimits, decode_video
+from mmpipe.stages.decode.media import DecodeLimits, decode_video
 
 
 @dataclass

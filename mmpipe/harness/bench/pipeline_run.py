@@ -19,17 +19,18 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmpipe.bench import stats
-from mmpipe.bench.resources import LagSampler, ResourceSampler
-from mmpipe.bench.simulate import SimPolicy
-from mmpipe.bench.traffic import Arrival
-from mmpipe.bench.workload import Workload
+from mmpipe.harness.bench import stats
+from mmpipe.harness.bench.resources import LagSampler, ResourceSampler
+from mmpipe.harness.bench.simulate import SimPolicy
+from mmpipe.harness.bench.traffic import Arrival
+from mmpipe.harness.bench.workload import Workload
 from mmpipe.client import Publisher
-from mmpipe.settings import BatchingSettings, Settings
-from mmpipe.store.base import load_result
+from mmpipe.schemas.settings import BatchingSettings, Settings
+from mmpipe.stages.sink.store.base import load_result
 from mmpipe.report import scrape
-from mmpipe.supervisor import Pipeline, metrics_port, tail
-from schemas import JobResult
+from mmpipe.streams.topology import metrics_port
+from mmpipe.supervisor import Pipeline, tail
+from mmpipe.schemas import JobResult
 
 
 # No new result for this long, with every stage group fully committed: the missing jobs are lost.

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import DeadLetter, JobResult, Prediction, decode_prediction, decode_result, to_json
+from mmpipe.schemas import DeadLetter, JobResult, Prediction, decode_prediction, decode_result, to_json
 
 STATE_RANK = {
     "accepted": 0,
@@ -139,11 +139,11 @@ def model_label(result_or_prediction: Any) -> str | None:
 def open_store(url: str) -> ResultStore:
     """sqlite:///path/to.db (embedded default) or postgresql://user:pass@host/db."""
     if url.startswith("sqlite:"):
-        from mmpipe.store.sqlite import SqliteStore
+        from mmpipe.stages.sink.store.sqlite import SqliteStore
 
         return SqliteStore(url)
     if url.startswith(("postgresql:", "postgres:")):
-        from mmpipe.store.postgres import PostgresStore
+        from mmpipe.stages.sink.store.postgres import PostgresStore
 
         return PostgresStore(url)
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:///file.db or postgresql://...")

@@ -1,0 +1,71 @@
+"""The pipeline's topology, declared once: which stage reads what, feeds whom, runs which class.
+
+    decode ──▶ preprocess ──▶ inference ──▶ sink
+
+The supervisor, `mmpipe worker` / `up`, lag and capacity, the benchmark and the compose tests
+read this table instead of keeping their own lists. Stage classes are named by import path
+(``module:Class``) so this runtime layer never imports the stages above it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from mmpipe.streams.topics import DEAD_LETTER, DECODED, EVENTS, PREDICTIONS, READY, STATUS, TopicSpec
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    entry: str  # "module:Class" of the Stage subclass
+    inputs: tuple[TopicSpec, ...]
+    output: TopicSpec | None  # the topic the next stage reads; None for the last stage
+    downstream: str | None  # the stage that consumes `output`
+    slot: int  # metrics port slot: stage `slot` replica j serves on base + PORTS_PER_STAGE*slot + j
+    service_step: str  # the mm_service_seconds step that times one item of this stage's work
+    default_replicas: int = 1
+
+    def load_class(self) -> type[Any]:
+        module, _, name = self.entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+PIPELINE: tuple[StageSpec, ...] = (
+    StageSpec("decode", "mmpipe.stages.decode.stage:DecodeStage", (EVENTS,), DECODED, "preprocess", 0, "decode"),
+    StageSpec("preprocess", "mmpipe.stages.preprocess:PreprocessStage", (DECODED,), READY, "inference", 1,
+              "preprocess"),
+    StageSpec("inference", "mmpipe.stages.inference:InferenceStage", (READY,), PREDICTIONS, "sink", 2, "execute"),
+    # The sink also reads what every stage reports besides results: dead letters and job states.
+    StageSpec("sink", "mmpipe.stages.sink.stage:SinkStage", (PREDICTIONS, DEAD_LETTER, STATUS), None, None, 3,
+              "sink"),
+)
+
+STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)
+_BY_NAME = {spec.name: spec for spec in PIPELINE}
+
+# Given a base port, stage slot i's replica j serves its metrics at base + PORTS_PER_STAGE * i + j.
+PORTS_PER_STAGE = 10
+
+
+class UnknownStage(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
+
+
+def stage_spec(name: str) -> StageSpec:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise UnknownStage(name) from None
+
+
+def metrics_port(base: int, stage: str, index: int) -> int:
+    return base + PORTS_PER_STAGE * stage_spec(stage).slot + index
+
+
+def stage_of_port(base: int, port: int) -> str | None:
+    """The stage whose metrics slot holds `port` under `up`'s layout, if any."""
+    slot = (port - base) // PORTS_PER_STAGE if port >= base else -1
+    return next((spec.name for spec in PIPELINE if spec.slot == slot), None)
