@@ -23,6 +23,7 @@ from mmpipe.schemas.settings import Settings
 from mmpipe.stages.sink.store import JobRecord, ResultStore, StoreUnavailable, open_store
 from mmpipe.schemas import BadMessage, JobResult, MediaEvent, decode_result, encode_event
 from mmpipe.streams.kafka import ensure_topics, make_producer
+from mmpipe.streams.retry import async_retrying
 from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -212,26 +213,29 @@ class ResultListener:
             self._task = None
 
     async def _run(self) -> None:
-        backoff = RECONNECT_BACKOFF_S[0]
+        # Connecting is retried with full-jitter backoff; once connected, a failure ends the
+        # session after the shortest pause and the next one starts the backoff over. The loop
+        # survives anything.
+        first, longest = RECONNECT_BACKOFF_S
         while True:
-            consumer: AIOKafkaConsumer | None = None
+            async for attempt in async_retrying(Exception, base_s=first, cap_s=longest, on_retry=self._report):
+                with attempt:
+                    consumer = await self._connect()
             try:
-                consumer = await self._connect()
-                self._positioned, self.last_error, backoff = True, None, RECONNECT_BACKOFF_S[0]
+                self._positioned, self.last_error = True, None
                 await self._sweep_store()
                 await self._consume(consumer)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the loop must survive anything: log, pause, reconnect
-                self.last_error = _describe(exc)
-                log.warning("results listener: %s; reconnecting in %.1f s", self.last_error, backoff)
+            except Exception as exc:
+                self._report(exc, 0, first)
+                await asyncio.sleep(first)
             finally:
                 self._positioned = False
-                if consumer is not None:
-                    with contextlib.suppress(Exception):
-                        await consumer.stop()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+
+    def _report(self, exc: BaseException, attempt: int, delay: float) -> None:
+        self.last_error = _describe(exc)
+        log.warning("results listener: %s; reconnecting in %.1f s", self.last_error, delay)
 
     async def _connect(self) -> AIOKafkaConsumer:
         consumer = results_reader(self.settings, offset_reset="latest")

@@ -58,7 +58,7 @@ def topics(bootstrap: BootstrapOpt = None) -> None:
 def worker(stage: Annotated[str, typer.Argument(help="decode | preprocess | inference | sink")], bootstrap: BootstrapOpt = None) -> None:
     """Run one stage as its own process (one member of the stage's consumer group)."""
     from mmpipe.streams.metrics import StageMetrics
-    from mmpipe.streams.stage import StageRuntime
+    from mmpipe.streams.delivery import StageRuntime
     from mmpipe.streams.topology import UnknownStage, stage_spec
     from mmpipe.supervisor import READY_FILE_ENV
 

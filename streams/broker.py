@@ -11,9 +11,10 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from types import TracebackType
+
+from mmpipe.streams.retry import poll_until
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +81,23 @@ class EmbeddedBroker:
 
 def wait_until_ready(bootstrap: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
     """Until the broker answers a metadata request (a listening socket is not enough)."""
-    deadline = time.monotonic() + timeout_s
-    last_error: Exception | None = None
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # refused connects are expected here
-    while time.monotonic() < deadline:
+
+    def answered() -> None:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"broker exited with code {process.returncode}")
-        try:
-            asyncio.run(_metadata(bootstrap))
-            return
-        except Exception as exc:  # not up yet
-            last_error = exc
-            time.sleep(0.2)
-    raise TimeoutError(f"broker at {bootstrap} not ready after {timeout_s}s: {last_error}")
+            raise BrokerExited(f"broker exited with code {process.returncode}")
+        asyncio.run(_metadata(bootstrap))
+
+    try:
+        poll_until(answered, every_s=0.2, deadline_s=timeout_s, retry_if=lambda exc: not isinstance(exc, BrokerExited))
+    except BrokerExited:
+        raise
+    except Exception as exc:
+        raise TimeoutError(f"broker at {bootstrap} not ready after {timeout_s}s: {exc}") from exc
+
+
+class BrokerExited(RuntimeError):
+    pass
 
 
 async def _metadata(bootstrap: str) -> None:

@@ -17,6 +17,7 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.topics import TopicNames
+from mmpipe.streams.retry import retry_async
 from mmpipe.streams.topology import stage_spec
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ async def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> None:
     """Create every pipeline topic if missing (idempotent; safe from every process)."""
     names = TopicNames(settings.topic_prefix)
     admin = AIOKafkaAdminClient(**client_kwargs(settings))
-    await _start_with_retry(admin.start, timeout_s)
+    await retry_async(admin.start, KafkaError, base_s=0.25, cap_s=1.0, deadline_s=timeout_s)
     try:
         existing = set(await admin.list_topics())
         new = [
@@ -104,19 +105,6 @@ def _topic_errors(response: Any) -> Iterable[tuple[str, int, str]]:
         yield topic, code, message
 
 
-async def _start_with_retry(start: Any, timeout_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        try:
-            await start()
-            return
-        except KafkaError:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.5)
-
-
 @dataclass(frozen=True)
 class PartitionLag:
     group: str
@@ -132,24 +120,31 @@ class PartitionLag:
 
 class LagReader:
     """Reads end offsets and a group's committed offsets without joining the group
-    (what kafka-consumer-groups --describe shows)."""
+    (what kafka-consumer-groups --describe shows): one ListOffsets request through a
+    group-less consumer and one OffsetFetch per group through the admin client."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._consumers: dict[str, AIOKafkaConsumer] = {}
+        self._consumer: AIOKafkaConsumer | None = None  # group-less: metadata and end offsets
         self._admin: AIOKafkaAdminClient | None = None
+        self._coordinators: dict[str, int] = {}  # group -> coordinator node (saves a lookup)
 
-    async def _consumer(self, group: str) -> AIOKafkaConsumer:
-        if group not in self._consumers:
-            consumer = AIOKafkaConsumer(
-                **client_kwargs(self.settings), group_id=group, enable_auto_commit=False
-            )
+    async def _metadata_consumer(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            consumer = AIOKafkaConsumer(**client_kwargs(self.settings), enable_auto_commit=False)
             await consumer.start()
-            self._consumers[group] = consumer
-        return self._consumers[group]
+            self._consumer = consumer
+        return self._consumer
+
+    async def _admin_client(self) -> AIOKafkaAdminClient:
+        if self._admin is None:
+            admin = AIOKafkaAdminClient(**client_kwargs(self.settings))
+            await admin.start()
+            self._admin = admin
+        return self._admin
 
     async def read(self, group: str, topics: list[str]) -> list[PartitionLag]:
-        consumer = await self._consumer(group)
+        consumer = await self._metadata_consumer()
         tps = [
             TopicPartition(topic, p)
             for topic in topics
@@ -158,11 +153,20 @@ class LagReader:
         if not tps:
             return []
         ends = await consumer.end_offsets(tps)
-        rows = []
-        for tp in tps:
-            committed = await consumer.committed(tp)
-            rows.append(PartitionLag(group, tp.topic, tp.partition, ends[tp], committed))
-        return rows
+        committed = await self.committed(group, tps)
+        return [PartitionLag(group, tp.topic, tp.partition, ends[tp], committed.get(tp)) for tp in tps]
+
+    async def committed(self, group: str, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """The group's committed offsets; partitions it never committed are left out."""
+        admin = await self._admin_client()
+        try:
+            offsets = await admin.list_consumer_group_offsets(group, self._coordinators.get(group), tps)
+        except KafkaError:
+            self._coordinators.pop(group, None)  # the coordinator may have moved: look it up next time
+            raise
+        if group not in self._coordinators:
+            self._coordinators[group] = await admin.find_coordinator(group)
+        return {TopicPartition(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
 
     async def read_stage(self, stage: str) -> list[PartitionLag]:
         """The lag of a stage's group on its input topics."""
@@ -171,11 +175,7 @@ class LagReader:
     async def group_members(self, group: str) -> int | None:
         """Members of the group now (one per stage process); None if the broker won't say."""
         try:
-            if self._admin is None:
-                admin = AIOKafkaAdminClient(**client_kwargs(self.settings))
-                await admin.start()
-                self._admin = admin
-            responses = await self._admin.describe_consumer_groups([group])
+            responses = await (await self._admin_client()).describe_consumer_groups([group])
         except (KafkaError, OSError, asyncio.TimeoutError) as exc:
             log.info("describing group %s failed: %s", group, exc)
             return None
@@ -187,9 +187,9 @@ class LagReader:
         return None
 
     async def close(self) -> None:
-        for consumer in self._consumers.values():
-            await consumer.stop()
-        self._consumers.clear()
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
         if self._admin is not None:
             await self._admin.close()
             self._admin = None

@@ -76,7 +76,7 @@ class StageMetrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.batch_flush = Counter(
-            "mm_batch_flushes_total", "Batches flushed, by trigger (full, max_wait, deadline, timeout)",
+            "mm_batch_flushes_total", "Batches flushed, by trigger (full, max_wait, timeout)",
             ["model", "trigger"], registry=r,
         )
         self.batcher_queue = Gauge("mm_batcher_queued_items", "Items waiting in the batcher", ["model"], registry=r)

@@ -249,8 +249,8 @@ class BenchPipeline:
         return [load_result(body) for (body,) in rows]
 
     def _read(self) -> _Reader:
-        """A plain reader: WAL lets it read beside the sink's writes without taking the write
-        lock the store's own transactions take (BEGIN IMMEDIATE), so polling costs the sink nothing."""
+        """A plain reader outside the store object: WAL lets it read beside the sink's writes
+        without waiting for them, so polling costs the sink nothing."""
         return _Reader(self.db_path)
 
     def _scrape_inference(self) -> dict[str, InferencePage]:

@@ -1,4 +1,4 @@
-"""SQLite backend (the embedded default): WAL mode, one connection per store object.
+"""SQLite backend (the embedded default): WAL mode, one connection per thread per store object.
 
 Finalisation of a job is serialised by BEGIN IMMEDIATE (SQLite has one writer at a time), so
 several sink processes may share one database file. "database is locked" beyond the busy

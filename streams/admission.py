@@ -1,0 +1,110 @@
+"""Admission: how much a stage may add in front of the next one.
+
+The next stage's consumer group lag on this stage's output topic is read every lag interval;
+between two read-outs the stage counts what it sent since (so a fast stage pauses as soon as
+its estimate crosses the bound, not one interval late) and what it admitted but has not sent
+yet. From that estimate, per partition:
+
+* hold / release: the partition gate pauses an input partition while the next stage lags
+  more than `high` on the matching output partition, resumes it at `low` (hysteresis);
+* exact admission at the head of the pipeline (decode): a message goes on only while the
+  estimate is under `high`; otherwise it waits, or, when the stage sheds load, is turned away.
+
+Keys are job IDs and partition counts match, so input partition p feeds output partition p;
+with other counts the worst partition decides. No Kafka here: delivery feeds the read-outs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from mmpipe.streams.backpressure import PartitionGate
+
+ADMISSION_POLL_S = 0.005
+
+
+class DownstreamAdmission:
+    def __init__(
+        self,
+        *,
+        high: int,
+        low: int,
+        gate: PartitionGate,
+        assigned: Callable[[], Iterable[Any]],
+        shedding: Callable[[], bool],
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        poll_s: float = ADMISSION_POLL_S,
+    ) -> None:
+        self.high = high
+        self.low = low
+        self.gate = gate
+        self._assigned = assigned  # this stage's assigned input partitions (TPs)
+        self._shedding = shedding
+        self._sleep = sleep
+        self._poll_s = poll_s
+        self._lag: dict[int, int] = {}  # next stage's lag per output partition, see count_sent
+        self._admitting: Counter[int] = Counter()  # admitted messages whose output is not sent yet
+        self._reserved: set[tuple[int, int]] = set()  # (partition, offset) of those messages
+
+    @property
+    def known(self) -> bool:
+        """True once a lag read-out arrived (before it nothing is held)."""
+        return bool(self._lag)
+
+    def update(self, lag_by_partition: dict[int, int]) -> None:
+        """A fresh read-out of the next stage's lag: replaces the estimate."""
+        self._lag = dict(lag_by_partition)
+        self.hold_or_release()
+
+    def count_sent(self, partitions: Iterable[int]) -> None:
+        """Outputs the broker acknowledged on the downstream topic since the last read-out."""
+        if not self._lag:
+            return
+        added = list(partitions)
+        for partition in added:
+            self._lag[partition] = self._lag.get(partition, 0) + 1
+        if added:
+            self.hold_or_release()
+
+    def lag_at(self, partition: int) -> int:
+        if partition in self._lag:
+            return self._lag[partition]
+        return max(self._lag.values(), default=0)
+
+    def estimate(self, partition: int) -> int:
+        return self.lag_at(partition) + self._admitting[partition]
+
+    async def wait_for_room(self, partition: int, offset: int) -> bool:
+        """Wait until the next stage has room for this message's work (True), or give up at
+        once while the stage sheds load (False). A True reserves room until release()."""
+        while self.estimate(partition) >= self.high:
+            if self._shedding():
+                return False
+            await self._sleep(self._poll_s)
+        self._admitting[partition] += 1
+        self._reserved.add((partition, offset))
+        return True
+
+    def release(self, partition: int, offset: int) -> None:
+        """The message's outputs are sent (or it failed): its reservation ends."""
+        key = (partition, offset)
+        if key in self._reserved:
+            self._reserved.discard(key)
+            self._admitting[partition] -= 1
+
+    def refresh(self) -> None:
+        """Re-decide holds after the estimate moved (a message finished)."""
+        if self._lag:
+            self.hold_or_release()
+
+    def hold_or_release(self) -> None:
+        shedding = self._shedding()
+        for tp in self._assigned():
+            lag = self.lag_at(tp.partition)
+            if shedding or lag <= self.low:
+                self.gate.hold_for_downstream([tp], full=False)
+            elif lag > self.high:
+                self.gate.hold_for_downstream([tp], full=True)

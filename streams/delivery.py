@@ -1,0 +1,265 @@
+"""Delivery: runs one Stage as a faust worker (its own consumer group) and carries each message
+
+    consume -> handle (under the failure policy) -> produce -> wait for the broker's acks -> ack
+
+A message is acked only after every output it caused has been acknowledged by the broker, and
+faust commits the highest contiguous acked offset (streams/transport.py): at-least-once with no
+gap. Between take and ack the partition gate counts it in flight (backpressure.py); the
+downstream admission (admission.py) is fed from here with lag read-outs and sent counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import faust
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from faust.sensors.prometheus import FaustMetrics
+from prometheus_client import REGISTRY
+
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams import transport
+from mmpipe.streams.admission import DownstreamAdmission
+from mmpipe.streams.backpressure import PartitionGate
+from mmpipe.streams.failure import FailurePolicy
+from mmpipe.streams.kafka import LagReader, downstream_of, group_id, ssl_context
+from mmpipe.streams.metrics import StageMonitor, serve_metrics
+from mmpipe.streams.retry import retry_async
+from mmpipe.streams.stage import Incoming, Outgoing, Stage
+
+log = logging.getLogger(__name__)
+
+# Awaiting a producer send gives a future that resolves to the record's metadata on the ack.
+Send = Callable[[Outgoing], Awaitable["asyncio.Future[Any]"]]
+
+
+def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
+    scheme = transport.register(settings.fetch_max_wait_ms)
+    datadir = settings.state_path("faust")
+    datadir.mkdir(parents=True, exist_ok=True)
+    return faust.App(
+        group_id(settings, stage_name),
+        broker=f"{scheme}://{settings.bootstrap}",
+        broker_credentials=_faust_credentials(settings),
+        value_serializer="raw",
+        key_serializer="raw",
+        web_enabled=False,
+        datadir=str(datadir / stage_name),
+        topic_partitions=settings.partitions,
+        topic_replication_factor=settings.replication,
+        consumer_auto_offset_reset="earliest",
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=settings.heartbeat_interval_s,
+        broker_rebalance_timeout=settings.rebalance_timeout_s,
+        broker_commit_interval=settings.commit_interval_s,
+        stream_buffer_maxsize=settings.stream_buffer_maxsize,
+        broker_max_poll_records=settings.max_poll_records,
+        producer_max_request_size=settings.max_message_bytes,
+        consumer_max_fetch_size=settings.max_message_bytes,
+        producer_acks=-1,
+        producer_linger_ms=0,
+        producer_max_batch_size=1 if settings.single_record_batches else 16384,
+        # Stages are idempotent downstream, but finishing in-flight work before a rebalance
+        # still saves duplicates.
+        stream_wait_empty=True,
+    )
+
+
+def _faust_credentials(settings: Settings) -> Any:
+    sec = settings.security
+    context = ssl_context(settings)
+    if sec.security_protocol.startswith("SASL"):
+        return faust.SASLCredentials(
+            username=sec.sasl_username,
+            password=sec.sasl_password,
+            mechanism=sec.sasl_mechanism or "PLAIN",
+            ssl_context=context,
+        )
+    if context is not None:
+        return faust.SSLCredentials(context)
+    return None
+
+
+class Sender:
+    """Produces a message's outputs and waits for every ack. Broker errors are retried until
+    the broker takes them (the offset is held meanwhile); an output too large for the broker
+    becomes a dead letter instead, since no retry can help."""
+
+    def __init__(self, send: Send, failures: FailurePolicy, settings: Settings) -> None:
+        self._send = send
+        self._failures = failures
+        self._backoff = (settings.retry_backoff_s, settings.retry_backoff_max_s)
+
+    async def send_all(self, outgoing: list[Outgoing], message: Incoming) -> list[Any]:
+        """Returns the acknowledged records' metadata."""
+        try:
+            return await self._send_retrying(outgoing)
+        except MessageSizeTooLargeError as exc:
+            # Tell the sink why this job produced nothing.
+            return await self._send_retrying([self._failures.dead_letter(message, "output_too_large", str(exc))])
+
+    async def _send_retrying(self, outgoing: list[Outgoing]) -> list[Any]:
+        base, cap = self._backoff
+        return await retry_async(
+            lambda: self._send_once(outgoing), KafkaError, base_s=base, cap_s=cap,
+            give_up=lambda exc, _: isinstance(exc, MessageSizeTooLargeError),
+            on_retry=lambda exc, attempt, delay: self._failures.count_retry(exc, attempt, delay, "produce_failed"),
+        )
+
+    async def _send_once(self, outgoing: list[Outgoing]) -> list[Any]:
+        futures = [await self._send(out) for out in outgoing]
+        return list(await asyncio.gather(*futures))
+
+
+class StageRuntime:
+    """Runs one Stage as a faust worker: one agent over the stage's input topics."""
+
+    def __init__(self, stage: Stage, ready_file: Path | None = None) -> None:
+        self.stage = stage
+        self.ready_file = ready_file
+        self.settings = stage.settings
+        self.metrics = stage.metrics
+        self.app = make_faust_app(stage.name, self.settings)
+        self.app.monitor = StageMonitor(self.metrics, FaustMetrics.create(REGISTRY, f"faust_{stage.name}"))
+        self.gate = PartitionGate(
+            high=self.settings.inflight_high_per_partition,
+            low=min(self.settings.inflight_low_per_partition, self.settings.inflight_high_per_partition - 1),
+            max_total=self.settings.max_inflight,
+            pause=lambda tps: self.app.consumer.pause_partitions(tps),
+            resume=lambda tps: self.app.consumer.resume_partitions(tps),
+            metrics=self.metrics,
+        )
+        self.failures = FailurePolicy(stage.name, self.settings, self.metrics, stage.topics.dead_letter)
+        self.sender = Sender(self._produce, self.failures, self.settings)
+        self._downstream = downstream_of(self.settings, stage.name)  # (topic, group) or None
+        self.admission = DownstreamAdmission(
+            high=self.settings.downstream_lag_high,
+            low=self.settings.downstream_lag_low,
+            gate=self.gate,
+            assigned=self._assigned_inputs,
+            shedding=lambda: stage.shedding,
+        )
+        stage.admit = self._admit
+        self._lag_reader: LagReader | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._started = asyncio.Event()
+        channel = self.app.topic(*stage.input_topics, partitions=self.settings.partitions)
+        self.app.agent(channel, name=f"{stage.name}-agent")(self._agent)
+        self.app.timer(self.settings.lag_interval_s)(self._watch_lag)
+        self.app.on_partitions_revoked.connect(self._on_revoked)
+        self.app.on_partitions_assigned.connect(self._on_assigned)
+        self.app.task(self._on_startup)
+        self.app.on_before_shutdown.connect(self._on_shutdown)
+
+    # Lifecycle --------------------------------------------------------------------------
+    def run(self) -> None:
+        """Blocking: load, then join the group and process until SIGINT/SIGTERM."""
+        self.stage.setup()
+        serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
+        worker = faust.Worker(self.app, loglevel=self.settings.log_level, quiet=True)
+        worker.execute_from_commandline()
+
+    async def _on_startup(self) -> None:
+        await self.stage.start()
+        self._started.set()
+        log.info("stage %s started; consuming %s", self.stage.name, ", ".join(self.stage.input_topics))
+
+    async def _on_shutdown(self, app: Any, **_: Any) -> None:
+        await self.stage.stop()
+        if self._lag_reader is not None:
+            await self._lag_reader.close()
+
+    async def _on_revoked(self, app: Any, revoked: Any, **_: Any) -> None:
+        self.gate.forget(revoked)
+
+    async def _on_assigned(self, app: Any, assigned: Any, **_: Any) -> None:
+        log.info("stage %s assigned %s", self.stage.name, sorted(f"{tp.topic}/{tp.partition}" for tp in assigned))
+        if self.ready_file is not None and not self.ready_file.exists():
+            self.ready_file.write_text(str(os.getpid()))
+
+    # The agent --------------------------------------------------------------------------
+    async def _agent(self, stream: Any) -> None:
+        await self._started.wait()
+        async for event in stream.noack().events():
+            tp = event.message.tp
+            await self.gate.acquire(tp)
+            task = asyncio.ensure_future(self._process(event, tp))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("stage %s: message task failed", self.stage.name, exc_info=task.exception())
+
+    async def _process(self, event: Any, tp: Any) -> None:
+        message = _incoming(event.message)
+        self.metrics.queue_wait.labels(self.stage.name).observe(max(message.received_at - message.timestamp, 0.0))
+        try:
+            outgoing = await self.failures.run(self.stage.handle, message)
+            sent = await self.sender.send_all(outgoing, message)
+            self._count_downstream(sent)
+            await self._after_send(outgoing)
+            event.ack()
+        finally:
+            self.admission.release(message.partition, message.offset)
+            self.gate.release(tp)
+            self.admission.refresh()
+
+    async def _produce(self, out: Outgoing) -> asyncio.Future[Any]:
+        return await self.app.producer.send(out.topic, out.key, out.value, None, None, None)
+
+    async def _after_send(self, outgoing: list[Outgoing]) -> None:
+        try:
+            await self.stage.after_send(outgoing)
+        except Exception as exc:  # bookkeeping only: a redelivery would repeat the same output
+            log.warning("stage %s: after-send step failed: %s", self.stage.name, exc)
+
+    # Lag and admission ----------------------------------------------------------------------
+    async def _admit(self, message: Incoming) -> bool:
+        return await self.admission.wait_for_room(message.partition, message.offset)
+
+    def _assigned_inputs(self) -> list[Any]:
+        input_topic = self.stage.input_topics[0]
+        return [tp for tp in self.app.consumer.assignment() if tp.topic == input_topic]
+
+    def _count_downstream(self, metadata: list[Any]) -> None:
+        if self._downstream is None:
+            return
+        topic = self._downstream[0]
+        self.admission.count_sent(md.partition for md in metadata if md is not None and md.topic == topic)
+
+    async def _watch_lag(self) -> None:
+        """Export this group's lag, feed the stage's backlog estimate, and refresh the next
+        stage's lag that admission holds partitions on."""
+        try:
+            if self._lag_reader is None:
+                self._lag_reader = LagReader(self.settings)
+            group = group_id(self.settings, self.stage.name)
+            rows = await self._lag_reader.read(group, self.stage.input_topics)
+            self._export_lag(group, rows)
+            self.stage.backlog = sum(row.lag for row in rows)
+            if self._downstream is not None:
+                topic, downstream_group = self._downstream
+                rows = await self._lag_reader.read(downstream_group, [topic])
+                self._export_lag(downstream_group, rows)
+                self.admission.update({row.partition: row.lag for row in rows})
+        except Exception as exc:  # telemetry and throttling must never kill the stage
+            log.warning("lag read failed: %r", exc)
+
+    def _export_lag(self, group: str, rows: list[Any]) -> None:
+        for row in rows:
+            self.metrics.lag.labels(group, row.topic, str(row.partition)).set(row.lag)
+
+
+def _incoming(m: Any) -> Incoming:
+    return Incoming(
+        topic=m.topic, partition=m.partition, offset=m.offset, key=m.key, value=m.value,
+        timestamp=m.timestamp, received_at=time.time(),
+    )

@@ -1,0 +1,265 @@
+"""The stage runtime's roles, each against fakes (no broker, no faust): the failure policy,
+delivery's sender, downstream admission, and the shared retry helper."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+from prometheus_client import CollectorRegistry
+
+from mmpipe.schemas import BadMessage, decode_dead_letter
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.admission import DownstreamAdmission
+from mmpipe.streams.backpressure import PartitionGate
+from mmpipe.streams.delivery import Sender
+from mmpipe.streams.failure import FailurePolicy
+from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.retry import poll_until, retry_async
+from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, TransientError
+
+DLQ = "mm.dead-letter"
+
+
+def message(offset: int = 7, partition: int = 1) -> Incoming:
+    return Incoming("mm.events", partition, offset, b"job-1", b'{"created_at": 1.0, "modality": "image"}', 0.0, 0.0)
+
+
+class FakeSleep:
+    """Records the waits instead of sleeping them (yielding to the loop, as a sleep does)."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        await asyncio.sleep(0)
+
+
+def policy(max_retries: int = 2) -> tuple[FailurePolicy, StageMetrics, FakeSleep]:
+    metrics = StageMetrics("test", CollectorRegistry())
+    sleep = FakeSleep()
+    settings = Settings(max_retries=max_retries, retry_backoff_s=0.1, retry_backoff_max_s=0.4)
+    return FailurePolicy("test", settings, metrics, DLQ, sleep=sleep), metrics, sleep
+
+
+def scripted(*steps: object):
+    """A handler that raises or returns each step in turn, counting its calls."""
+    calls = {"n": 0}
+
+    async def handle(_: Incoming) -> list[Outgoing]:
+        step = steps[min(calls["n"], len(steps) - 1)]
+        calls["n"] += 1
+        if isinstance(step, BaseException):
+            raise step
+        return step  # type: ignore[return-value]
+
+    return handle, calls
+
+
+def letter_of(outgoing: list[Outgoing]):
+    (out,) = outgoing
+    assert out.topic == DLQ and out.key == b"job-1"
+    return decode_dead_letter(out.value)
+
+
+def counter(metrics: StageMetrics, name: str, **labels: str) -> float:
+    return getattr(metrics, name).labels(**labels)._value.get()
+
+
+# Failure policy ---------------------------------------------------------------------------------
+async def test_bad_input_is_dead_lettered_at_once_with_its_reason():
+    fp, metrics, sleep = policy()
+    handle, calls = scripted(BadMessage("undecodable_media", "not a PNG"))
+    letter = letter_of(await fp.run(handle, message()))
+    assert (letter.reason, letter.detail, letter.stage) == ("undecodable_media", "not a PNG", "test")
+    assert (letter.source_partition, letter.source_offset, letter.modality) == (1, 7, "image")
+    assert calls["n"] == 1 and sleep.waits == []
+    assert counter(metrics, "dead_letters", stage="test", reason="undecodable_media") == 1
+
+
+async def test_transient_errors_retry_with_bounded_jittered_waits_then_succeed():
+    fp, metrics, sleep = policy(max_retries=3)
+    out = [Outgoing("mm.decoded", b"job-1", b"x")]
+    handle, calls = scripted(TransientError("flaky"), TransientError("flaky"), out)
+    assert await fp.run(handle, message()) == out
+    assert calls["n"] == 3
+    assert len(sleep.waits) == 2 and all(0 <= w <= cap for w, cap in zip(sleep.waits, (0.1, 0.2)))
+    assert counter(metrics, "retries", stage="test", reason="transient") == 2
+    assert counter(metrics, "items", stage="test", outcome="ok") == 1
+
+
+async def test_transient_errors_past_max_retries_become_retries_exhausted():
+    fp, _, sleep = policy(max_retries=2)
+    handle, calls = scripted(TransientError("still flaky"))
+    letter = letter_of(await fp.run(handle, message()))
+    assert letter.reason == "retries_exhausted" and "still flaky" in letter.detail
+    assert calls["n"] == 3 and len(sleep.waits) == 2
+
+
+async def test_an_unavailable_dependency_is_waited_for_beyond_max_retries():
+    fp, metrics, sleep = policy(max_retries=1)
+    out = [Outgoing("mm.results", b"job-1", b"r")]
+    handle, calls = scripted(*([DependencyUnavailable("db locked")] * 6), out)
+    assert await fp.run(handle, message()) == out
+    assert calls["n"] == 7 and len(sleep.waits) == 6
+    assert max(sleep.waits) <= 0.4  # capped
+    assert counter(metrics, "retries", stage="test", reason="dependency_unavailable") == 6
+
+
+async def test_a_bug_is_dead_lettered_as_internal_error_not_retried():
+    fp, _, sleep = policy()
+    handle, calls = scripted(KeyError("oops"))
+    letter = letter_of(await fp.run(handle, message()))
+    assert letter.reason == "internal_error" and "KeyError" in letter.detail
+    assert calls["n"] == 1 and sleep.waits == []
+
+
+async def test_cancellation_is_not_swallowed():
+    fp, _, _ = policy()
+    handle, _ = scripted(asyncio.CancelledError())
+    with pytest.raises(asyncio.CancelledError):
+        await fp.run(handle, message())
+
+
+# Sender (delivery) --------------------------------------------------------------------------------
+class FakeProducer:
+    """send() returns a future resolved with record metadata, or raises the scripted error."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.sent: list[Outgoing] = []
+
+    async def __call__(self, out: Outgoing) -> asyncio.Future:
+        if self.errors:
+            raise self.errors.pop(0)
+        self.sent.append(out)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(SimpleNamespace(topic=out.topic, partition=len(self.sent) % 4))
+        return future
+
+
+def sender(producer: FakeProducer) -> Sender:
+    fp, _, _ = policy()
+    return Sender(producer, fp, Settings(retry_backoff_s=0.001, retry_backoff_max_s=0.002))
+
+
+async def test_sender_waits_for_every_ack_and_returns_the_metadata():
+    producer = FakeProducer()
+    outs = [Outgoing("mm.decoded", b"job-1", b"a"), Outgoing("mm.status", b"job-1", b"s")]
+    metadata = await sender(producer).send_all(outs, message())
+    assert producer.sent == outs and [md.topic for md in metadata] == ["mm.decoded", "mm.status"]
+
+
+async def test_sender_retries_broker_errors_until_taken():
+    producer = FakeProducer(KafkaConnectionError(), KafkaConnectionError())
+    outs = [Outgoing("mm.decoded", b"job-1", b"a")]
+    await sender(producer).send_all(outs, message())
+    assert producer.sent == outs
+
+
+async def test_sender_turns_an_output_too_large_into_a_dead_letter():
+    producer = FakeProducer(MessageSizeTooLargeError())
+    await sender(producer).send_all([Outgoing("mm.decoded", b"job-1", b"x" * 10)], message())
+    assert letter_of(producer.sent).reason == "output_too_large"
+
+
+# Downstream admission -----------------------------------------------------------------------------
+class FakeGate:
+    def __init__(self) -> None:
+        self.held: dict[int, bool] = {}
+
+    def hold_for_downstream(self, tps, full: bool) -> None:
+        for tp in tps:
+            self.held[tp.partition] = full
+
+
+def admission(shedding: bool = False, high: int = 4, low: int = 1) -> tuple[DownstreamAdmission, FakeGate, FakeSleep]:
+    gate, sleep = FakeGate(), FakeSleep()
+    tps = [SimpleNamespace(topic="mm.events", partition=p) for p in range(2)]
+    flags = {"shedding": shedding}
+    adm = DownstreamAdmission(high=high, low=low, gate=gate, assigned=lambda: tps,  # type: ignore[arg-type]
+                              shedding=lambda: flags["shedding"], sleep=sleep)
+    adm.flags = flags  # type: ignore[attr-defined]
+    return adm, gate, sleep
+
+
+def test_nothing_is_held_before_the_first_read_out():
+    adm, gate, _ = admission()
+    adm.count_sent([0, 0, 0, 0, 0])
+    assert not adm.known and gate.held == {}
+
+
+def test_a_partition_is_held_above_high_and_released_at_low_with_hysteresis():
+    adm, gate, _ = admission(high=4, low=1)
+    adm.update({0: 2, 1: 0})
+    assert gate.held == {1: False}  # partition 0 between low and high: unchanged
+    adm.count_sent([0, 0, 0])  # the estimate grows by what was sent since the read-out
+    assert gate.held[0] is True and adm.lag_at(0) == 5
+    adm.update({0: 3, 1: 0})  # drained below high but above low: still held
+    assert gate.held[0] is True
+    adm.update({0: 1, 1: 0})
+    assert gate.held[0] is False
+
+
+async def test_admission_waits_for_room_and_reserves_it():
+    adm, _, sleep = admission(high=2)
+    adm.update({0: 1, 1: 0})
+    assert await adm.wait_for_room(0, offset=10)  # 1 + 0 admitted < 2
+    assert adm.estimate(0) == 2  # the reservation counts until release
+
+    async def drain() -> None:
+        while not sleep.waits:
+            await asyncio.sleep(0)
+        adm.release(0, 10)
+        adm.update({0: 0, 1: 0})
+
+    admitted, _ = await asyncio.gather(adm.wait_for_room(0, offset=11), drain())
+    assert admitted and sleep.waits and adm.estimate(0) == 1
+
+
+async def test_a_shedding_stage_turns_the_message_away_instead_of_waiting():
+    adm, gate, sleep = admission(shedding=True, high=2)
+    adm.update({0: 5, 1: 0})
+    assert not await adm.wait_for_room(0, offset=1)
+    assert sleep.waits == [] and gate.held[0] is False  # shedding never holds the input
+
+
+def test_releasing_twice_or_an_unreserved_message_changes_nothing():
+    adm, _, _ = admission()
+    adm.update({0: 0, 1: 0})
+    adm.release(0, 99)
+    assert adm.estimate(0) == 0
+
+
+# The retry helper ---------------------------------------------------------------------------------
+async def test_retry_async_gives_up_when_told_and_raises_the_error_itself():
+    calls = {"n": 0}
+
+    async def failing() -> None:
+        calls["n"] += 1
+        raise ConnectionError("down")
+
+    sleep = FakeSleep()
+    with pytest.raises(ConnectionError):
+        await retry_async(failing, ConnectionError, base_s=1, cap_s=8, give_up=lambda exc, n: n >= 4, sleep=sleep)
+    assert calls["n"] == 5
+    caps = [min(8, 2**i) for i in range(4)]
+    assert all(0 <= w <= cap for w, cap in zip(sleep.waits, caps))
+
+
+def test_poll_until_stops_at_the_first_answer_and_lets_other_errors_through():
+    answers = iter([OSError("refused"), OSError("refused"), "ok"])
+
+    def call() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert poll_until(call, every_s=0.0, deadline_s=5) == "ok"
+    with pytest.raises(RuntimeError):
+        poll_until(lambda: (_ for _ in ()).throw(RuntimeError("exited")), every_s=0.0, deadline_s=5,
+                   retry_if=lambda exc: not isinstance(exc, RuntimeError))
