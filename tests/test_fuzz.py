@@ -15,7 +15,7 @@ from mmpipe.stages.decode import samples
 from mmpipe.stages.decode.media import DecodeLimits, MediaError, decode_audio, decode_image, decode_video
 from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import BadMessage, MediaEvent, decode_event, decode_work_item
-from mmpipe.stages.decode import DecodeStage
+from mmpipe.stages.decode.stage import DecodeStage
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.stage import Incoming, Outgoing
 

@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry
 from mmpipe.schemas import BadMessage, decode_dead_letter
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.admission import DownstreamAdmission
-from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.delivery import Sender
 from mmpipe.streams.failure import FailurePolicy
 from mmpipe.streams.metrics import StageMetrics

@@ -20,7 +20,7 @@ from mmpipe.stages.sink.store import Final, ResultStore, StoreUnavailable, open_
 from mmpipe.stages.sink.store.postgres import PostgresStore
 from mmpipe.stages.sink.store.sqlite import SqliteStore
 from mmpipe.schemas import DeadLetter, JobResult, ModelRef, Prediction
-from mmpipe.stages.sink import assemble, failed_result
+from mmpipe.stages.sink.stage import assemble, failed_result
 from tests import pg
 from mmpipe.streams.broker import free_port
 from tests.pg import PostgresServer
