@@ -17,6 +17,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from faust.sensors.prometheus import FaustMetrics, PrometheusMonitor
 from faust.types import TP
+from mode import Service
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
@@ -29,7 +30,7 @@ LATENCY_BUCKETS = (
 )
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
-# The runtime beats every HEARTBEAT_S; an event loop silent for STALL_AFTER_S is stuck (a blocking
+# StageMonitor beats every HEARTBEAT_S; an event loop silent for STALL_AFTER_S is stuck (a blocking
 # call, a deadlock) and /healthz fails so the orchestrator restarts the process.
 HEARTBEAT_S = 5.0
 STALL_AFTER_S = 60.0
@@ -124,11 +125,22 @@ class StageMetrics:
 
 
 class StageMonitor(PrometheusMonitor):
-    """Faust's Prometheus sensor, extended with the events our backpressure cares about."""
+    """Faust's Prometheus sensor, extended with the events our backpressure cares about and the
+    two signals the probes read: ready once the worker finished a rebalance (it joined its group,
+    after the stage's setup() loaded its models), alive while its event loop keeps beating (the
+    sensor is a service on the worker's loop)."""
 
     def __init__(self, stage_metrics: StageMetrics, faust_metrics: FaustMetrics, **kwargs: Any) -> None:
         super().__init__(metrics=faust_metrics, **kwargs)
         self.stage_metrics = stage_metrics
+
+    def on_rebalance_end(self, app: Any, state: dict) -> None:
+        super().on_rebalance_end(app, state)
+        self.stage_metrics.mark_ready()
+
+    @Service.timer(HEARTBEAT_S)
+    async def _heartbeat(self) -> None:
+        self.stage_metrics.beat()
 
     def on_topic_buffer_full(self, tp: TP) -> None:
         super().on_topic_buffer_full(tp)

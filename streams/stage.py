@@ -34,7 +34,7 @@ from mmpipe.schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Predicti
 from mmpipe.streams import transport
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
-from mmpipe.streams.metrics import HEARTBEAT_S, StageMetrics, StageMonitor, serve_metrics
+from mmpipe.streams.metrics import StageMetrics, StageMonitor, serve_metrics
 from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,6 @@ class StageRuntime:
         channel = self.app.topic(*stage.input_topics, partitions=self.settings.partitions)
         self.app.agent(channel, name=f"{stage.name}-agent")(self._agent)
         self.app.timer(self.settings.lag_interval_s)(self._watch_lag)
-        self.app.timer(HEARTBEAT_S)(self._beat)  # liveness (/healthz): the event loop still runs
         self.app.on_partitions_revoked.connect(self._on_revoked)
         self.app.on_partitions_assigned.connect(self._on_assigned)
         self.app.task(self._on_startup)
@@ -264,15 +263,11 @@ class StageRuntime:
         if self._lag_reader is not None:
             await self._lag_reader.close()
 
-    async def _beat(self) -> None:
-        self.metrics.beat()
-
     async def _on_revoked(self, app: Any, revoked: Any, **_: Any) -> None:
         self.gate.forget(revoked)
 
     async def _on_assigned(self, app: Any, assigned: Any, **_: Any) -> None:
         log.info("stage %s assigned %s", self.stage.name, sorted(f"{tp.topic}/{tp.partition}" for tp in assigned))
-        self.metrics.mark_ready()  # readiness (/readyz): models loaded in setup(), group joined now
         if self.ready_file is not None and not self.ready_file.exists():
             self.ready_file.write_text(str(os.getpid()))
 

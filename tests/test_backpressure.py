@@ -128,8 +128,11 @@ def _all_done(settings, events) -> bool:
 
 def test_every_stage_reports_ready_and_alive_on_its_metrics_port(slow_pipeline):
     """What Kubernetes' probes ask each stage process: /readyz once its models are loaded and it
-    joined its group (the pipeline waits for that), /healthz while its event loop beats."""
+    joined its group, /healthz while its event loop beats (every 5 s)."""
+    deadline = time.monotonic() + 15  # the first beat comes one interval after the worker starts
     for stage, port in slow_pipeline.ports.items():
+        while time.monotonic() < deadline and not metric(scrape(port), "mm_heartbeat_timestamp_seconds", stage=stage):
+            time.sleep(0.5)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
             assert (response.status, response.read()) == (200, b"ready\n"), stage
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:

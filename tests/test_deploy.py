@@ -276,6 +276,13 @@ def test_probes_ask_what_the_stage_serves(overlay, monkeypatch):
     assert (api["readinessProbe"]["httpGet"]["path"], api["livenessProbe"]["httpGet"]["path"]) == ("/readyz", "/healthz")
 
 
+def test_compose_checks_stage_health_as_kubernetes_does():
+    services = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())["services"]
+    for stage in STAGE_NAMES:
+        check = " ".join(services[stage]["healthcheck"]["test"])
+        assert "127.0.0.1:9100/readyz" in check, stage
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_disruption_budgets_cover_each_stage_and_the_service_reaches_the_api(overlay):
     budgets = objects(overlay, "PodDisruptionBudget")
