@@ -318,3 +318,21 @@ def test_bench_service_times_read_the_headline_flood():
     assert times == pytest.approx({"decode": 0.08, "preprocess": 0.02, "inference": 0.1, "sink": 0.01})
     with pytest.raises(ValueError, match="no flood run"):
         bench_service_times(bench_result([other]))
+
+
+def test_live_scaling_bounds_use_what_the_window_measured(tmp_path):
+    from mmpipe.report import CapacityReport, live_scaling_bounds, scaling_table
+
+    settings = make_settings("127.0.0.1:9", tmp_path, tmp_path, partitions=6, max_inflight=64)
+    measured = capacity_hint(StageLoad(
+        stage="inference", window_s=2.0, arrived=40, consumed=40, lag=3, partitions=6,
+        service=ServiceTotals(seconds=0.8, items=40, batches=10), members=1,
+    ))
+    idle = capacity_hint(StageLoad(stage="sink", window_s=2.0, arrived=0, consumed=0, lag=0, partitions=0, service=None))
+    report = CapacityReport("127.0.0.1:9", 2.0, 0.7, [measured, idle], [], 1)
+    inference, sink = live_scaling_bounds(report, settings, latency_budget_s=4.0)
+    # 20 ms per item: 50/s clear 50 in the stage's 1 s; 20/s arriving need 0.4 replicas busy -> 1.
+    assert (inference.lag_threshold, inference.min_replicas, inference.max_replicas) == (50, 1, 6)
+    assert inference.grace_period_s == 17  # 64 x 20 ms + 15 s
+    assert sink.lag_threshold is None and sink.max_replicas == 6  # no partitions read: the settings'
+    assert scaling_table([inference, sink], 4.0, "test").row_count == 2
