@@ -290,13 +290,14 @@ def scaling_bounds(
     workers: int,
     partitions: int,
     *,
+    max_inflight: int,
     latency_budget_s: float = LATENCY_BUDGET_S,
     arrival_per_s: float = 0.0,
-    max_inflight: int = 256,
     target: float = UTILISATION_TARGET,
 ) -> ScalingBounds:
     """lagThreshold from the stage's share of the budget; minReplicaCount from the replicas that
-    keep up with `arrival_per_s` at `target` utilisation; maxReplicaCount the partition count."""
+    keep up with `arrival_per_s` at `target` utilisation; maxReplicaCount the partition count;
+    the grace period from the in-flight cap (settings.max_inflight)."""
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
     needed = replicas_needed(arrival_per_s, per_item_s, workers, target) or 1

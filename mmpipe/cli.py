@@ -224,9 +224,7 @@ def keda(
 ) -> None:
     """The KEDA Kafka scaler's numbers per stage (lagThreshold, min/max replicas, grace period)
     from the capacity model, with service times measured live (as `mmpipe lag`) or by a benchmark."""
-    import json
-
-    from mmpipe.capacity import bench_service_times, scaling_bounds, stage_workers
+    from mmpipe.capacity import scaling_bounds, stage_workers
     from mmpipe.report import capacity_report, live_scaling_bounds, scaling_table
 
     settings = _settings(bootstrap)
@@ -235,7 +233,7 @@ def keda(
         bounds = [
             scaling_bounds(stage, per_item, workers[stage], settings.partitions, latency_budget_s=latency_budget_s,
                            arrival_per_s=rate, max_inflight=settings.max_inflight, target=target_utilisation)
-            for stage, per_item in bench_service_times(json.loads(bench.read_text())).items()
+            for stage, per_item in _bench_service_times(bench).items()
         ]
         source = f"service times from {bench}, {settings.partitions} partitions"
     else:
@@ -243,6 +241,17 @@ def keda(
         bounds = live_scaling_bounds(report, settings, latency_budget_s)
         source = f"measured on {settings.bootstrap} over {report.window_s:.1f} s"
     console.print(scaling_table(bounds, latency_budget_s, source))
+
+
+def _bench_service_times(path: Path) -> dict[str, float]:
+    import json
+
+    from mmpipe.capacity import bench_service_times
+
+    try:
+        return bench_service_times(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise typer.BadParameter(f"--bench {path}: not a `mmpipe bench` result with a flood run ({exc!r})") from None
 
 
 @app.command()

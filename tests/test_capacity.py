@@ -286,14 +286,14 @@ def test_scaling_bounds():
 
 
 def test_scaling_bounds_when_the_partitions_run_out_or_nothing_was_measured():
-    crowded = scaling_bounds("decode", 0.1, 1, 4, arrival_per_s=100.0)
+    crowded = scaling_bounds("decode", 0.1, 1, 4, arrival_per_s=100.0, max_inflight=256)
     assert crowded.min_replicas == 4 and crowded.max_replicas == 4  # 15 needed, 4 can work
     assert "15 needed: add partitions first" in crowded.note
-    unmeasured = scaling_bounds("sink", None, 1, 4)
+    unmeasured = scaling_bounds("sink", None, 1, 4, max_inflight=256)
     assert unmeasured.lag_threshold is None and unmeasured.grace_period_s is None
     assert unmeasured.min_replicas == 1 and "no service time measured" in unmeasured.note
     with pytest.raises(ValueError):
-        scaling_bounds("sink", 0.1, 1, 0)
+        scaling_bounds("sink", 0.1, 1, 0, max_inflight=256)
 
 
 def bench_result(runs: list[dict]) -> dict:
