@@ -248,6 +248,20 @@ def test_lag_command(lag_settings, monkeypatch):
     assert "no stage metrics reached" in text
 
 
+def test_keda_command_live(lag_settings, monkeypatch):
+    from mmpipe.cli import app
+
+    monkeypatch.setenv("MMPIPE_TOPIC_PREFIX", lag_settings.topic_prefix)
+    result = CliRunner().invoke(
+        app, ["keda", "--bootstrap", lag_settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0"],
+        env={"COLUMNS": "250"},
+    )
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.count("│") > 5]
+    assert len(rows) == 4 and all("no service time measured" in row for row in rows)  # no stage ran
+    assert "measured on" in result.output and "replicas beyond 2 partitions get no work" in result.output
+
+
 # --- KEDA's numbers -----------------------------------------------------------------------------
 
 
