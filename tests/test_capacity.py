@@ -234,32 +234,30 @@ def test_capacity_report_against_the_broker(lag_settings):
     assert capacity_table(report).row_count == 4
 
 
-def test_lag_command(lag_settings, monkeypatch):
+def run_live(settings, monkeypatch, command: str) -> str:
+    """`mmpipe COMMAND` against the test broker: one short window, no metrics ports probed."""
     from mmpipe.cli import app
 
-    monkeypatch.setenv("MMPIPE_TOPIC_PREFIX", lag_settings.topic_prefix)
+    monkeypatch.setenv("MMPIPE_TOPIC_PREFIX", settings.topic_prefix)
     result = CliRunner().invoke(
-        app, ["lag", "--bootstrap", lag_settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0"],
-        env={"COLUMNS": "200"},
+        app, [command, "--bootstrap", settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0"],
+        env={"COLUMNS": "250"},
     )
     assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())  # rich wraps to the terminal's width
+    return result.output
+
+
+def test_lag_command(lag_settings, monkeypatch):
+    text = " ".join(run_live(lag_settings, monkeypatch, "lag").split())  # rich wraps to the terminal's width
     assert "replica hint" in text and "consumer lag" in text
     assert "no stage metrics reached" in text
 
 
 def test_keda_command_live(lag_settings, monkeypatch):
-    from mmpipe.cli import app
-
-    monkeypatch.setenv("MMPIPE_TOPIC_PREFIX", lag_settings.topic_prefix)
-    result = CliRunner().invoke(
-        app, ["keda", "--bootstrap", lag_settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0"],
-        env={"COLUMNS": "250"},
-    )
-    assert result.exit_code == 0, result.output
-    rows = [line for line in result.output.splitlines() if line.count("│") > 5]
+    output = run_live(lag_settings, monkeypatch, "keda")
+    rows = [line for line in output.splitlines() if line.count("│") > 5]
     assert len(rows) == 4 and all("no service time measured" in row for row in rows)  # no stage ran
-    assert "measured on" in result.output and "replicas beyond 2 partitions get no work" in result.output
+    assert "measured on" in output and "replicas beyond 2 partitions get no work" in output
 
 
 # --- KEDA's numbers -----------------------------------------------------------------------------
