@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmpipe.schemas.settings import Settings
 from mmpipe.streams.topology import PIPELINE
 
 # Below 1: headroom for bursts and rebalances; near 1 queues (and latency) grow without bound.
@@ -226,3 +227,111 @@ def advice(
     elif lag > 0 and done_per_s < arrival_per_s:
         notes.append("falling behind")
     return "; ".join(notes)
+
+
+def stage_workers(settings: Settings) -> dict[str, int]:
+    """Items one replica works on at once: decode and preprocess run thread pools; inference's
+    concurrency is its batch (already in the per-item time); the sink writes on one thread."""
+    return {"decode": settings.decode_workers, "preprocess": settings.inference_workers, "inference": 1, "sink": 1}
+
+
+# --- Autoscaling on consumer lag (KEDA's Kafka scaler) --------------------------------------------
+#
+# KEDA runs ceil(group lag / lagThreshold) replicas, so lagThreshold is the lag one replica may
+# hold. A partition is a FIFO: an item that finds L items ahead of it on a replica that serves
+# `workers / per_item_s` items a second waits L x per_item_s / workers. The threshold is the
+# largest L whose wait stays within the stage's share of the end-to-end latency budget.
+
+# End-to-end p99 the autoscaler and the alerts defend (seconds): the "p99 over budget" alert fires
+# above it, and each stage's input topic may hold what one replica clears in an equal share of it.
+LATENCY_BUDGET_S = 4.0
+
+# Time a stopping replica needs beyond finishing its in-flight items: commit the offsets, leave the
+# group, close the producer.
+SHUTDOWN_MARGIN_S = 15.0
+
+
+def stage_budget_s(latency_budget_s: float, stages: int = len(PIPELINE)) -> float:
+    """Each stage's share of the end-to-end budget for the wait in its input topic."""
+    if latency_budget_s <= 0:
+        raise ValueError(f"latency budget must be > 0 s, got {latency_budget_s}")
+    return latency_budget_s / stages
+
+
+def lag_threshold(per_item_s: float, workers: int, budget_s: float) -> int:
+    """The lag one replica clears within `budget_s` at its measured service time (at least 1)."""
+    if per_item_s <= 0 or workers < 1:
+        raise ValueError(f"need a positive service time and workers >= 1, got {per_item_s} s, {workers}")
+    return max(1, math.floor(budget_s * workers / per_item_s + _EPSILON))
+
+
+def drain_seconds(per_item_s: float, workers: int, max_inflight: int) -> float:
+    """Time a replica needs to finish the most work it can hold (its in-flight cap)."""
+    return max_inflight * per_item_s / workers
+
+
+@dataclass(frozen=True)
+class ScalingBounds:
+    """What a KEDA ScaledObject for one stage should say."""
+
+    stage: str
+    per_item_s: float | None
+    workers: int
+    lag_threshold: int | None  # None: no service time measured
+    min_replicas: int
+    max_replicas: int  # the partition count: replicas beyond it get no work
+    grace_period_s: int | None  # terminationGracePeriodSeconds that finishes in-flight work
+    note: str
+
+
+def scaling_bounds(
+    stage: str,
+    per_item_s: float | None,
+    workers: int,
+    partitions: int,
+    *,
+    max_inflight: int,
+    latency_budget_s: float = LATENCY_BUDGET_S,
+    arrival_per_s: float = 0.0,
+    target: float = UTILISATION_TARGET,
+) -> ScalingBounds:
+    """lagThreshold from the stage's share of the budget; minReplicaCount from the replicas that
+    keep up with `arrival_per_s` at `target` utilisation; maxReplicaCount the partition count;
+    the grace period from the in-flight cap (settings.max_inflight)."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    needed = replicas_needed(arrival_per_s, per_item_s, workers, target) or 1
+    notes = [f"replicas beyond {partitions} partitions get no work"]
+    if needed > partitions:
+        notes.append(f"{needed} needed: add partitions first")
+    if per_item_s is None:
+        notes.append("no service time measured")
+        threshold = grace = None
+    else:
+        threshold = lag_threshold(per_item_s, workers, stage_budget_s(latency_budget_s))
+        grace = math.ceil(drain_seconds(per_item_s, workers, max_inflight) + SHUTDOWN_MARGIN_S)
+    return ScalingBounds(stage, per_item_s, workers, threshold, min(needed, partitions), partitions, grace, "; ".join(notes))
+
+
+# --- Service times measured by the benchmark (`mmpipe bench`, benchmarks/results/*.json) ----------
+
+# The trace fields of a job that time each stage's work on one item.
+_BENCH_SERVICE_FIELD = {"decode": "decode_ms", "preprocess": "preprocess_ms", "sink": "sink_ms"}
+
+
+def bench_service_times(result: dict) -> dict[str, float]:
+    """Seconds per item of each stage in the benchmark's flood of its headline batching policy:
+    the saturated pipeline, where lag builds and the autoscaler acts, with full batches. Inference
+    is the batches' execute time over the items they carried (a batch's time is observed once
+    per item in the trace, so the per-job mean over-counts it by the batch size)."""
+    label = result["policies"]["headline"]["label"]
+    flood = next(
+        (run for run in result["runs"] if run["scenario"] == "flood" and run["label"] == label), None
+    )
+    if flood is None:
+        raise ValueError(f"the benchmark result has no flood run of its headline policy {label!r}")
+    stats = flood["stats"]
+    times = {stage: stats["breakdown_ms"][field] / 1000 for stage, field in _BENCH_SERVICE_FIELD.items()}
+    batch_ms = sum(stats["execute_ms_by_batch"][size] * count for size, count in stats["batch_count"].items())
+    times["inference"] = batch_ms / sum(stats["batch_items"].values()) / 1000
+    return {spec.name: times[spec.name] for spec in PIPELINE}

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mmpipe.capacity import LATENCY_BUDGET_S
 from mmpipe.schemas.settings import Settings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -208,6 +209,49 @@ def lag(
     report = asyncio.run(capacity_report(settings, window, metrics, metrics_base_port, target_utilisation))
     console.print(capacity_table(report))
     console.print(partition_lag_table(report.partitions, settings.bootstrap))
+
+
+@app.command()
+def keda(
+    bench: Optional[Path] = typer.Option(None, help="take service times from a `mmpipe bench` result (JSON) instead of measuring live"),
+    rate: float = typer.Option(0.0, help="with --bench: items/s each stage must keep up with (sets minReplicaCount)"),
+    latency_budget_s: float = typer.Option(LATENCY_BUDGET_S, "--latency-budget-s", min=0.1, help="end-to-end p99 to defend, shared equally by the stages"),
+    window: float = typer.Option(3.0, min=0.5, help="live: seconds between the two samples, as in `mmpipe lag`"),
+    metrics: Annotated[Optional[list[str]], typer.Option("--metrics", help="live: a stage's metrics URL, repeatable (see `mmpipe lag`)")] = None,
+    metrics_base_port: int = typer.Option(9100, help="live: `up`'s metrics base port, probed when no --metrics"),
+    target_utilisation: float = typer.Option(0.7, min=0.05, max=1.0, help="busy fraction per replica minReplicaCount aims for"),
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """The KEDA Kafka scaler's numbers per stage (lagThreshold, min/max replicas, grace period)
+    from the capacity model, with service times measured live (as `mmpipe lag`) or by a benchmark."""
+    from mmpipe.capacity import scaling_bounds, stage_workers
+    from mmpipe.report import capacity_report, live_scaling_bounds, scaling_table
+
+    settings = _settings(bootstrap)
+    if bench is not None:
+        workers = stage_workers(settings)
+        bounds = [
+            scaling_bounds(stage, per_item, workers[stage], settings.partitions, latency_budget_s=latency_budget_s,
+                           arrival_per_s=rate, max_inflight=settings.max_inflight, target=target_utilisation)
+            for stage, per_item in _bench_service_times(bench).items()
+        ]
+        source = f"service times from {bench}, {settings.partitions} partitions"
+    else:
+        report = asyncio.run(capacity_report(settings, window, metrics, metrics_base_port, target_utilisation))
+        bounds = live_scaling_bounds(report, settings, latency_budget_s)
+        source = f"measured on {settings.bootstrap} over {report.window_s:.1f} s"
+    console.print(scaling_table(bounds, latency_budget_s, source))
+
+
+def _bench_service_times(path: Path) -> dict[str, float]:
+    import json
+
+    from mmpipe.capacity import bench_service_times
+
+    try:
+        return bench_service_times(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise typer.BadParameter(f"--bench {path}: not a `mmpipe bench` result with a flood run ({exc!r})") from None
 
 
 @app.command()

@@ -17,13 +17,18 @@ from rich.console import Console
 from rich.table import Table
 
 from mmpipe.capacity import (
+    SHUTDOWN_MARGIN_S,
     UTILISATION_TARGET,
     CapacityHint,
     MetricsPage,
     StageLoad,
     capacity_hint,
     combine_service,
+    ScalingBounds,
     parse_metrics,
+    scaling_bounds,
+    stage_budget_s,
+    stage_workers,
 )
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.topology import PORTS_PER_STAGE, STAGE_NAMES, metrics_port
@@ -173,12 +178,6 @@ async def take_snapshot(reader: LagReader, settings: Settings, endpoints: list[M
     return Snapshot(at, partitions, pages)
 
 
-def stage_workers(settings: Settings) -> dict[str, int]:
-    """Items one replica works on at once: decode and preprocess run thread pools; inference's
-    concurrency is its batch (already in the per-item time); the sink writes on one thread."""
-    return {"decode": settings.decode_workers, "preprocess": settings.inference_workers, "inference": 1, "sink": 1}
-
-
 def stage_load(
     stage: str, before: Snapshot, after: Snapshot, workers: int, members: int | None
 ) -> StageLoad:
@@ -270,5 +269,46 @@ def capacity_table(report: CapacityReport) -> Table:
             "?" if h.members is None else str(h.members),
             str(h.partitions),
             h.advice,
+        )
+    return table
+
+
+# --- KEDA's numbers (`mmpipe keda`) --------------------------------------------------------------
+
+
+def live_scaling_bounds(report: CapacityReport, settings: Settings, latency_budget_s: float) -> list[ScalingBounds]:
+    """The bounds from what `mmpipe lag` measured: service times, arrival rates, partitions."""
+    return [
+        scaling_bounds(
+            h.stage, h.per_item_s, h.workers, h.partitions or settings.partitions,
+            latency_budget_s=latency_budget_s, arrival_per_s=h.arrival_per_s,
+            max_inflight=settings.max_inflight, target=report.target,
+        )
+        for h in report.hints
+    ]
+
+
+def scaling_table(bounds: list[ScalingBounds], latency_budget_s: float, source: str) -> Table:
+    share_ms = stage_budget_s(latency_budget_s) * 1000
+    table = Table(
+        title=f"KEDA Kafka scaler per stage ({source}; latency budget {latency_budget_s:g} s, {share_ms:.0f} ms per stage)",
+        caption="lagThreshold = floor(stage budget x workers / s per item): the lag one replica clears within its "
+        "share of the budget; maxReplicaCount = partitions; grace = in-flight cap x s/item / workers + "
+        f"{SHUTDOWN_MARGIN_S:.0f} s",
+    )
+    for col in ("stage", "ms/item", "workers", "items/s per replica", "lagThreshold", "min", "max", "grace s", "note"):
+        table.add_column(col, justify="left" if col in ("stage", "note") else "right")
+    for b in bounds:
+        measured = b.per_item_s is not None
+        table.add_row(
+            b.stage,
+            f"{b.per_item_s * 1000:.1f}" if measured else "-",
+            str(b.workers),
+            f"{b.workers / b.per_item_s:.1f}" if measured else "-",
+            str(b.lag_threshold) if measured else "-",
+            str(b.min_replicas),
+            str(b.max_replicas),
+            str(b.grace_period_s) if measured else "-",
+            b.note,
         )
     return table

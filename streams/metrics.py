@@ -1,17 +1,25 @@
 """Every metric a stage exports, defined once, plus the faust sensor that feeds the Kafka-level
 ones. Stage code records through StageMetrics; nothing else creates Prometheus objects.
 
-Exposed on http://<host>:<metrics_port>/metrics by each stage process.
+Exposed on http://<host>:<metrics_port>/metrics by each stage process, beside the probes an
+orchestrator asks: /readyz (models loaded and the consumer group joined) and /healthz (the event
+loop still beats).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from http import HTTPStatus
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from faust.sensors.prometheus import FaustMetrics, PrometheusMonitor
 from faust.types import TP
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from mode import Service
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +29,11 @@ LATENCY_BUCKETS = (
     0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
+# StageMonitor beats every HEARTBEAT_S; an event loop silent for STALL_AFTER_S is stuck (a blocking
+# call, a deadlock) and /healthz fails so the orchestrator restarts the process.
+HEARTBEAT_S = 5.0
+STALL_AFTER_S = 60.0
 
 
 class StageMetrics:
@@ -88,6 +101,21 @@ class StageMetrics:
         self.buffer_full = Counter(
             "mm_topic_buffer_full_total", "Faust's per-topic buffer filled (fetching paused)", ["stage"], registry=r,
         )
+        # What the probes read (serve_metrics), also on the dashboard: members per stage.
+        self.ready = Gauge(
+            "mm_stage_ready", "1 once the stage's models are loaded and it has joined its consumer group",
+            ["stage"], registry=r,
+        )
+        self.ready.labels(stage).set(0)  # a starting replica counts as a member not yet ready
+        self.heartbeat = Gauge(
+            "mm_heartbeat_timestamp_seconds", "Last beat of the stage's event loop (Unix time)", ["stage"], registry=r,
+        )
+
+    def mark_ready(self) -> None:
+        self.ready.labels(self.stage).set(1)
+
+    def beat(self) -> None:
+        self.heartbeat.labels(self.stage).set_to_current_time()
 
     def observe_service(self, step: str, seconds: float) -> None:
         self.service.labels(self.stage, step).observe(max(seconds, 0.0))
@@ -97,23 +125,74 @@ class StageMetrics:
 
 
 class StageMonitor(PrometheusMonitor):
-    """Faust's Prometheus sensor, extended with the events our backpressure cares about."""
+    """Faust's Prometheus sensor, extended with the events our backpressure cares about and the
+    two signals the probes read: ready once the worker finished a rebalance (it joined its group,
+    after the stage's setup() loaded its models), alive while its event loop keeps beating (the
+    sensor is a service on the worker's loop)."""
 
     def __init__(self, stage_metrics: StageMetrics, faust_metrics: FaustMetrics, **kwargs: Any) -> None:
         super().__init__(metrics=faust_metrics, **kwargs)
         self.stage_metrics = stage_metrics
+
+    def on_rebalance_end(self, app: Any, state: dict) -> None:
+        super().on_rebalance_end(app, state)
+        self.stage_metrics.mark_ready()
+
+    @Service.timer(HEARTBEAT_S)
+    async def _heartbeat(self) -> None:
+        self.stage_metrics.beat()
 
     def on_topic_buffer_full(self, tp: TP) -> None:
         super().on_topic_buffer_full(tp)
         self.stage_metrics.buffer_full.labels(self.stage_metrics.stage).inc()
 
 
+def _gauge_values(registry: CollectorRegistry, name: str) -> list[float]:
+    return [s.value for family in registry.collect() if family.name == name for s in family.samples]
+
+
+def probe(registry: CollectorRegistry, path: str, now: float) -> tuple[int, str] | None:
+    """The answer to a probe path from the registry's own gauges (None: not a probe path)."""
+    if path == "/readyz":
+        if any(value == 1 for value in _gauge_values(registry, "mm_stage_ready")):
+            return 200, "ready"
+        return 503, "not ready: models loading or consumer group not joined yet"
+    if path == "/healthz":
+        beats = _gauge_values(registry, "mm_heartbeat_timestamp_seconds")
+        silent_s = now - max(beats) if beats else 0.0  # no beat yet: still starting (/readyz tells)
+        if silent_s > STALL_AFTER_S:
+            return 503, f"event loop stalled: no heartbeat for {silent_s:.0f} s"
+        return 200, "ok"
+    return None
+
+
+def metrics_app(registry: CollectorRegistry = REGISTRY) -> Any:
+    """WSGI app: the probes, and the registry's metrics on every other path."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        answer = probe(registry, environ.get("PATH_INFO", ""), time.time())
+        if answer is None:
+            return metrics(environ, start_response)
+        code, text = answer
+        start_response(f"{code} {HTTPStatus(code).phrase}", [("Content-Type", "text/plain; charset=utf-8")])
+        return [f"{text}\n".encode()]
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes and probes every few seconds
+        pass
+
+
 _server_started: set[int] = set()
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
-    """Expose the default registry on host:port (once per process; port 0 disables)."""
+def serve_metrics(port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> None:
+    """Serve metrics and probes on host:port in a daemon thread (once per process; port 0 disables)."""
     if port and port not in _server_started:
-        start_http_server(port, addr=host)
+        server = make_server(host, port, metrics_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         _server_started.add(port)
-        log.info("metrics on :%d/metrics", port)
+        log.info("metrics on :%d/metrics, probes on /readyz and /healthz", port)

@@ -124,3 +124,20 @@ def test_metrics_export_the_stage_table(slow_pipeline):
 
 def _all_done(settings, events) -> bool:
     return count_results(settings.store_url) >= len(events)
+
+
+def test_every_stage_reports_ready_and_alive_on_its_metrics_port(slow_pipeline):
+    """What Kubernetes' probes ask each stage process: /readyz once its models are loaded and it
+    joined its group, /healthz while its event loop beats (every 5 s)."""
+    deadline = time.monotonic() + 15  # the first beat comes one interval after the worker starts
+    for stage, port in slow_pipeline.ports.items():
+        while time.monotonic() < deadline and not metric(scrape(port), "mm_heartbeat_timestamp_seconds", stage=stage):
+            time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+            assert (response.status, response.read()) == (200, b"ready\n"), stage
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            assert response.status == 200, stage
+        samples = scrape(port)
+        assert metric(samples, "mm_stage_ready", stage=stage) == [1.0], stage
+        beats = metric(samples, "mm_heartbeat_timestamp_seconds", stage=stage)
+        assert beats and time.time() - beats[0] < 30, f"{stage}: the event loop's heartbeat is missing or old"

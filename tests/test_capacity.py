@@ -15,10 +15,15 @@ from mmpipe.capacity import (
     ServiceTotals,
     StageLoad,
     advice,
+    bench_service_times,
     capacity_hint,
     combine_service,
+    drain_seconds,
+    lag_threshold,
     parse_metrics,
     replicas_needed,
+    scaling_bounds,
+    stage_budget_s,
 )
 from mmpipe.client import make_event
 from mmpipe.report import capacity_report, capacity_table, replica_endpoints, up_endpoints
@@ -229,15 +234,117 @@ def test_capacity_report_against_the_broker(lag_settings):
     assert capacity_table(report).row_count == 4
 
 
-def test_lag_command(lag_settings, monkeypatch):
+def run_live(settings, monkeypatch, command: str) -> str:
+    """`mmpipe COMMAND` against the test broker: one short window, no metrics ports probed."""
     from mmpipe.cli import app
 
-    monkeypatch.setenv("MMPIPE_TOPIC_PREFIX", lag_settings.topic_prefix)
+    monkeypatch.setenv("MMPIPE_TOPIC_PREFIX", settings.topic_prefix)
     result = CliRunner().invoke(
-        app, ["lag", "--bootstrap", lag_settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0"],
-        env={"COLUMNS": "200"},
+        app, [command, "--bootstrap", settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0"],
+        env={"COLUMNS": "250"},
     )
     assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())  # rich wraps to the terminal's width
+    return result.output
+
+
+def test_lag_command(lag_settings, monkeypatch):
+    text = " ".join(run_live(lag_settings, monkeypatch, "lag").split())  # rich wraps to the terminal's width
     assert "replica hint" in text and "consumer lag" in text
     assert "no stage metrics reached" in text
+
+
+def test_keda_command_live(lag_settings, monkeypatch):
+    output = run_live(lag_settings, monkeypatch, "keda")
+    rows = [line for line in output.splitlines() if line.count("│") > 5]
+    assert len(rows) == 4 and all("no service time measured" in row for row in rows)  # no stage ran
+    assert "measured on" in output and "replicas beyond 2 partitions get no work" in output
+
+
+# --- KEDA's numbers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("per_item", "workers", "budget", "expected"),
+    [
+        (0.1, 1, 1.0, 10),  # 10 items/s clear 10 in a second
+        (0.08255, 2, 1.0, 24),  # two decode threads: 24.2/s
+        (0.07, 1, 0.7, 10),  # float noise (9.999999999999998) must not round down to 9
+        (2.0, 1, 1.0, 1),  # slower than the budget: still one item per replica
+    ],
+)
+def test_lag_threshold(per_item, workers, budget, expected):
+    assert lag_threshold(per_item, workers, budget) == expected
+
+
+def test_lag_threshold_and_budget_refuse_nonsense():
+    with pytest.raises(ValueError):
+        lag_threshold(0.0, 1, 1.0)
+    with pytest.raises(ValueError):
+        lag_threshold(0.1, 0, 1.0)
+    with pytest.raises(ValueError):
+        stage_budget_s(0.0)
+    assert stage_budget_s(4.0) == pytest.approx(1.0)  # four stages share it
+
+
+def test_scaling_bounds():
+    # 50 ms per item on one worker: 20/s; a 2 s budget gives each of 4 stages 0.5 s = 10 items.
+    bounds = scaling_bounds("inference", 0.05, 1, 12, latency_budget_s=2.0, arrival_per_s=30.0, max_inflight=100)
+    assert bounds.lag_threshold == 10
+    assert bounds.min_replicas == 3  # 30/s x 0.05 s = 1.5 replicas busy, / 0.7 -> 3
+    assert bounds.max_replicas == 12
+    assert bounds.grace_period_s == 20  # 100 in flight x 50 ms + 15 s to commit and leave
+    assert drain_seconds(0.05, 2, 100) == pytest.approx(2.5)
+    assert bounds.note == "replicas beyond 12 partitions get no work"
+
+
+def test_scaling_bounds_when_the_partitions_run_out_or_nothing_was_measured():
+    crowded = scaling_bounds("decode", 0.1, 1, 4, arrival_per_s=100.0, max_inflight=256)
+    assert crowded.min_replicas == 4 and crowded.max_replicas == 4  # 15 needed, 4 can work
+    assert "15 needed: add partitions first" in crowded.note
+    unmeasured = scaling_bounds("sink", None, 1, 4, max_inflight=256)
+    assert unmeasured.lag_threshold is None and unmeasured.grace_period_s is None
+    assert unmeasured.min_replicas == 1 and "no service time measured" in unmeasured.note
+    with pytest.raises(ValueError):
+        scaling_bounds("sink", 0.1, 1, 0, max_inflight=256)
+
+
+def bench_result(runs: list[dict]) -> dict:
+    return {"policies": {"headline": {"label": "dynamic b=8"}}, "runs": runs}
+
+
+def flood_run(label: str, **stats) -> dict:
+    return {"scenario": "flood", "label": label, "stats": stats}
+
+
+def test_bench_service_times_read_the_headline_flood():
+    stats = {
+        "breakdown_ms": {"decode_ms": 80.0, "preprocess_ms": 20.0, "sink_ms": 10.0, "execute_ms": 750.0},
+        # 2 batches of 8 at 800 ms, 1 of 4 at 400 ms: 2000 ms for 20 items = 100 ms per item
+        # (the per-job mean of execute_ms, 750, counts a batch's time once per item).
+        "batch_count": {"8": 2.0, "4": 1.0}, "batch_items": {"8": 16, "4": 4},
+        "execute_ms_by_batch": {"8": 800.0, "4": 400.0},
+    }
+    other = flood_run("off", breakdown_ms={}, batch_count={}, batch_items={}, execute_ms_by_batch={})
+    times = bench_service_times(bench_result([other, flood_run("dynamic b=8", **stats)]))
+    assert list(times) == ["decode", "preprocess", "inference", "sink"]
+    assert times == pytest.approx({"decode": 0.08, "preprocess": 0.02, "inference": 0.1, "sink": 0.01})
+    with pytest.raises(ValueError, match="no flood run"):
+        bench_service_times(bench_result([other]))
+
+
+def test_live_scaling_bounds_use_what_the_window_measured(tmp_path):
+    from mmpipe.report import CapacityReport, live_scaling_bounds, scaling_table
+
+    settings = make_settings("127.0.0.1:9", tmp_path, tmp_path, partitions=6, max_inflight=64)
+    measured = capacity_hint(StageLoad(
+        stage="inference", window_s=2.0, arrived=40, consumed=40, lag=3, partitions=6,
+        service=ServiceTotals(seconds=0.8, items=40, batches=10), members=1,
+    ))
+    idle = capacity_hint(StageLoad(stage="sink", window_s=2.0, arrived=0, consumed=0, lag=0, partitions=0, service=None))
+    report = CapacityReport("127.0.0.1:9", 2.0, 0.7, [measured, idle], [], 1)
+    inference, sink = live_scaling_bounds(report, settings, latency_budget_s=4.0)
+    # 20 ms per item: 50/s clear 50 in the stage's 1 s; 20/s arriving need 0.4 replicas busy -> 1.
+    assert (inference.lag_threshold, inference.min_replicas, inference.max_replicas) == (50, 1, 6)
+    assert inference.grace_period_s == 17  # 64 x 20 ms + 15 s
+    assert sink.lag_threshold is None and sink.max_replicas == 6  # no partitions read: the settings'
+    assert scaling_table([inference, sink], 4.0, "test").row_count == 2
