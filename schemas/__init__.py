@@ -14,6 +14,7 @@ from mmpipe.schemas.codec import (
     peek_header,
     to_json,
 )
+from mmpipe.schemas.errors import Refused
 from mmpipe.schemas.events import (
     SCHEMA_VERSION,
     DeadLetter,
@@ -36,6 +37,7 @@ __all__ = [
     "ModelRef",
     "Payload",
     "Prediction",
+    "Refused",
     "Timings",
     "WorkItem",
     "decode_dead_letter",

@@ -113,6 +113,12 @@ class Settings(BaseSettings):
     video_sample_fps: float = Field(1.0, gt=0)
     video_max_frames: int = Field(16, ge=1)
     audio_max_seconds: float = Field(600.0, gt=0)
+    # Untrusted media: what a video may declare or hold, and each decode worker's budget
+    # (a process of its own; over the budget the part is refused, the stage stays up).
+    video_max_seconds: float = Field(600.0, gt=0)
+    video_max_source_frames: int = Field(36_000, ge=1)
+    decode_timeout_s: float = Field(30.0, gt=0)
+    decode_memory_limit_bytes: int = Field(1024**3, ge=256 * 1024**2)
 
     # --- Models and inference -----------------------------------------------------------
     device: str = "auto"  # auto | cpu | cuda | cuda:N

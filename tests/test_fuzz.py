@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -15,7 +16,7 @@ from mmpipe.stages.decode import samples
 from mmpipe.stages.decode.media import DecodeLimits, MediaError, decode_audio, decode_image, decode_video
 from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import BadMessage, MediaEvent, decode_event, decode_work_item
-from mmpipe.stages.decode import DecodeStage
+from mmpipe.stages.decode.stage import DecodeStage
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.stage import Incoming, Outgoing
 
@@ -113,12 +114,13 @@ def _flip(data: bytes, changes: list[tuple[int, int]]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def decode_stage(tmp_path_factory) -> DecodeStage:
+def decode_stage(tmp_path_factory) -> Iterator[DecodeStage]:
     settings = Settings(input_roots=[tmp_path_factory.mktemp("roots")], max_payload_bytes=100_000,
                         video_max_frames=2, audio_max_seconds=5)
     stage = DecodeStage(settings, StageMetrics("decode-fuzz", registry=_registry()))
     stage.setup()
-    return stage
+    yield stage
+    asyncio.run(stage.stop())
 
 
 def _registry():
