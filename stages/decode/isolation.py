@@ -17,12 +17,15 @@ import asyncio
 import multiprocessing
 import resource
 import signal
+from collections.abc import Callable
 from concurrent.futures import CancelledError
+from typing import Any, TypeVar
 
 import pebble
 
 from mmpipe.stages.decode.media import DecodedMedia, DecodeLimits, MediaError, Source, decode_media
 
+T = TypeVar("T")
 TASKS_PER_WORKER = 500  # recycle workers now and then: native heaps only grow
 
 
@@ -45,7 +48,11 @@ class DecodePool:
         )
 
     async def decode(self, modality: str, source: Source, limits: DecodeLimits) -> DecodedMedia:
-        future = self._pool.schedule(decode_media, args=(modality, source, limits), timeout=self.timeout_s)
+        return await self.run(decode_media, modality, source, limits)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker, its failures turned into refusals (fn must be picklable)."""
+        future = self._pool.schedule(fn, args=args, timeout=self.timeout_s)
         try:
             return await asyncio.wrap_future(future)
         except TimeoutError:

@@ -189,6 +189,8 @@ def _open(source: Source, modality: str, limits: DecodeLimits) -> av.container.I
 
 
 def _checked_codec(stream: av.stream.Stream, modality: str) -> None:
+    if stream.codec_context is None:  # a codec FFmpeg does not know
+        raise MediaError("undecodable_media", f"{stream.type} stream of an unknown codec")
     name = stream.codec_context.codec.canonical_name
     allowed = ALLOWED_CODECS[modality]
     if name not in allowed and not (modality == "audio" and name.startswith("pcm_")):
@@ -383,6 +385,8 @@ class _guard:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
         if exc is None or isinstance(exc, MediaError):
             return False
+        if isinstance(exc, MemoryError):  # FFmpeg's ENOMEM too: the worker's memory limit
+            raise MediaError("decode_out_of_memory", f"{type(exc).__name__}: {exc}") from None
         if isinstance(exc, (av.error.FFmpegError, OSError, ValueError, IndexError, KeyError, TypeError, EOFError, RuntimeError)):
             raise MediaError("undecodable_media", f"{type(exc).__name__}: {exc}") from None
         return False
