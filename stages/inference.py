@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from mmpipe.models.base import LoadedModel
+from mmpipe.models.base import BadInput, LoadedModel
 from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
@@ -77,6 +77,10 @@ class InferenceStage(Stage):
         batcher = self.batchers.get(item.model)
         if batcher is None:
             raise BadMessage("model_not_served", f"this inference group serves {', '.join(map(str, self.batchers))}; not {item.model}")
+        try:  # untrusted until checked: nothing reaches the model that its spec does not declare
+            self.models[item.model].spec.check_input(item.tensors)
+        except BadInput as exc:
+            raise BadMessage("bad_input", str(exc)) from None
         common = dict(
             job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
             modality=item.modality, model=item.model, created_at=item.created_at,
