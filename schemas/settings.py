@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     max_retries: int = Field(3, ge=0)
     retry_backoff_s: float = 0.2
     retry_backoff_max_s: float = 5.0
+    # A message whose processing killed its stage this many times (running alone) goes to the
+    # dead-letter topic as crashed_stage instead of crash-looping (streams/poison.py).
+    poison_max_crashes: int = Field(3, ge=1)
 
     # --- Input --------------------------------------------------------------------------
     max_payload_bytes: int = 16 * 1024 * 1024
@@ -131,6 +134,8 @@ class Settings(BaseSettings):
     inference_workers: int = Field(2, ge=1)  # CPU workers for preprocess
     # Fault injection for benchmarks and tests (a degraded replica): extra time per batch.
     inject_execute_delay_ms: float = Field(0.0, ge=0.0)
+    # Named crash points armed for fault runs and tests (streams/faults.py); none in production.
+    fault_points: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # --- Sink ---------------------------------------------------------------------------
     store_url: str = ""  # default: sqlite:///<state_dir>/results.db
@@ -159,7 +164,7 @@ class Settings(BaseSettings):
             return [p for p in value.split(":") if p]
         return value
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "fault_points", mode="before")
     @classmethod
     def _split_models(cls, value: object) -> object:
         if isinstance(value, str):

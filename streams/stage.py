@@ -35,6 +35,7 @@ from mmpipe.streams import transport
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
 from mmpipe.streams.metrics import StageMetrics, StageMonitor, serve_metrics
+from mmpipe.streams.poison import PoisonGuard
 from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -230,6 +231,9 @@ class StageRuntime:
             metrics=self.metrics,
         )
         self._tasks: set[asyncio.Task] = set()
+        self.poison = PoisonGuard(
+            self.settings.state_path("poison", f"{group_id(self.settings, stage.name)}.db"), self.settings.poison_max_crashes
+        )
         channel = self.app.topic(*stage.input_topics, partitions=self.settings.partitions)
         self.app.agent(channel, name=f"{stage.name}-agent")(self._agent)
         self.app.timer(self.settings.lag_interval_s)(self._watch_lag)
@@ -298,12 +302,21 @@ class StageRuntime:
             received_at=time.time(),
         )
         self.metrics.queue_wait.labels(self.stage.name).observe(max(message.received_at - message.timestamp, 0.0))
+        where = (message.topic, message.partition, message.offset)
+        entered = False
         try:
-            outgoing = await self._handle(message)
+            # Poison messages (streams/poison.py): one that kept killing this stage is given up.
+            entered = await self.poison.enter(*where)
+            if entered:
+                outgoing = await self._handle(message)
+            else:
+                outgoing = [self._dead_letter(message, "crashed_stage", self.poison.detail(*where))]
             await self._send_all(outgoing, message)
             await self._after_send(outgoing)
             event.ack()
         finally:
+            if entered:
+                await self.poison.leave(*where)
             self._release_reservation(message)
             self.gate.release(tp)
             if self._downstream_lag:

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmpipe.stages.sink.store import Final, ResultStore, StoreUnavailable, open_store
-from mmpipe.stages.sink.store.postgres import PostgresStore
+from mmpipe.stages.sink.store.postgres import POOL_MAX_SIZE, PostgresStore
 from mmpipe.stages.sink.store.sqlite import SqliteStore
 from mmpipe.schemas import DeadLetter, JobResult, ModelRef, Prediction
-from mmpipe.stages.sink import assemble, failed_result
+from mmpipe.stages.sink.stage import assemble, failed_result
 from tests import pg
 from mmpipe.streams.broker import free_port
 from tests.pg import PostgresServer
@@ -432,8 +432,13 @@ def test_open_store_routes_by_url(tmp_path, postgres_url: str) -> None:
         open_store("mysql://localhost/db")
 
 
-def test_postgres_fixture_skips_without_postgres_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_postgres_fixture_fails_without_binaries_where_postgres_is_expected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pg, "find_pg_bin", lambda: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt package `postgresql`"):
+        pg.start_server()
+    monkeypatch.delenv("CI")
+    monkeypatch.setattr(pg, "postgres_expected", lambda: False)
     with pytest.raises(pytest.skip.Exception, match="apt package `postgresql`"):
         pg.start_server()
 
@@ -469,7 +474,7 @@ def test_postgres_outage_and_recovery(own_postgres_server: PostgresServer) -> No
     store.close()
 
 
-def test_postgres_terminated_connection_is_store_unavailable_then_reconnects(postgres_server: PostgresServer) -> None:
+def test_postgres_terminated_connection_is_replaced_by_the_pool(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database()
     store = open_store(url)
     store.init_schema()
@@ -479,27 +484,24 @@ def test_postgres_terminated_connection_is_store_unavailable_then_reconnects(pos
     database = url.rsplit("/", 1)[1]
     assert postgres_server.terminate_connections(database) == 1
     wait_until(lambda: postgres_server.connections(database) == 0)
-    with pytest.raises(StoreUnavailable):
-        store.record_status(job_id, "decoding", T0 + 1)
-    store.record_status(job_id, "decoding", T0 + 1)  # a new connection
+    store.record_status(job_id, "decoding", T0 + 1)  # the pool checked the dead one and connected anew
     assert store.get_job(job_id).state == "decoding"
 
     store.close()
     wait_until(lambda: postgres_server.connections(database) == 0)  # close() released the connection
 
 
-def test_close_releases_connections_of_every_thread(postgres_server: PostgresServer) -> None:
+def test_connections_stay_within_the_pool_and_close_releases_them(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database()
     store = open_store(url)
     store.init_schema()
     database = url.rsplit("/", 1)[1]
-    with ThreadPoolExecutor(3) as pool:
-        # a barrier so that the three calls really run on three threads (alive until the end)
-        barrier = threading.Barrier(3)
-        list(pool.map(lambda _: (barrier.wait(), store.counts()), range(3)))
-        assert postgres_server.connections(database) == 4  # theirs and the main thread's
-        store.close()
-        wait_until(lambda: postgres_server.connections(database) == 0)
+    with ThreadPoolExecutor(8) as pool:
+        barrier = threading.Barrier(8)  # eight callers at once: more than the pool holds
+        list(pool.map(lambda _: (barrier.wait(), store.counts()), range(8)))
+    assert 1 <= postgres_server.connections(database) <= POOL_MAX_SIZE
+    store.close()
+    wait_until(lambda: postgres_server.connections(database) == 0)
 
 
 def test_sqlite_locked_is_store_unavailable_then_recovers(tmp_path) -> None:
@@ -525,7 +527,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_connections_of_ended_threads_are_released(postgres_server: PostgresServer) -> None:
+def test_callers_on_threads_that_come_and_go_share_one_connection(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database()
     store = open_store(url)
     store.init_schema()
@@ -534,7 +536,7 @@ def test_connections_of_ended_threads_are_released(postgres_server: PostgresServ
         worker.start()
         worker.join()
     database = url.rsplit("/", 1)[1]
-    wait_until(lambda: postgres_server.connections(database) == 1)  # only the main thread's
+    assert postgres_server.connections(database) == 1  # reused from the pool, not one per thread
     store.close()
 
 

@@ -23,6 +23,7 @@ from mmpipe.models.base import ModelError, ModelSpec
 from mmpipe.models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
 from mmpipe.schemas import MediaEvent, Refused, WorkItem, decode_event, encode_work_item
 from mmpipe.schemas.settings import Settings
+from mmpipe.streams.faults import crash_point
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
@@ -59,6 +60,7 @@ class DecodeStage(Stage):
                       f"{self.settings.max_backlog}) and the next stage is full; retry later")
             return [self._answer(event, "rejected", started, detail)]
         payload = await read_payload(event.payload, self.settings)
+        crash_point(self.settings, "decode.handle", event.job_id)
         media = await self._decode(event, payload, frame_spec)
         items = self._items(event, media, frame_spec, deadline, started)
         self.metrics.observe_service("decode", time.time() - started)

@@ -9,6 +9,7 @@ The `results` topic is keyed by job_id and compacted, so it converges to one rec
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -24,7 +25,10 @@ from mmpipe.schemas import (
     decode_status,
     to_json,
 )
+from mmpipe.streams.faults import crash_point
 from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage
+
+log = logging.getLogger(__name__)
 
 MERGE_GAP_S = 0.05  # speech segments split only by an audio window boundary are joined
 GROUP_COMMIT_MAX = 256  # store calls per transaction
@@ -61,6 +65,7 @@ class SinkStage(Stage):
         if final is None or (final.published and not final.created):
             return []
         if final.created:
+            crash_point(self.settings, "sink.after_commit", final.result.job_id)  # stored, not published
             result = final.result
             self.metrics.end_to_end.labels(result.modality, result.status).observe(result.timings.end_to_end_ms / 1000)
         return [Outgoing(self.topics.results, final.result.job_id.encode(), to_json(final.result))]
@@ -86,7 +91,11 @@ class SinkStage(Stage):
         if isinstance(outcome, StoreUnavailable):
             raise DependencyUnavailable(str(outcome)) from outcome
         if isinstance(outcome, Exception):
-            raise outcome
+            # No store error is the message's fault (bad messages are refused before the store
+            # sees them): an error nobody classified is waited out like an outage, loudly, and
+            # never turned into a dead letter that would fail a good prediction for good.
+            log.error("store call %s failed with an unclassified error; retrying", fn.__name__, exc_info=outcome)
+            raise DependencyUnavailable(f"unclassified store error: {type(outcome).__name__}: {outcome}") from outcome
         return outcome
 
     async def _flush(self) -> None:
