@@ -29,7 +29,7 @@ import faust
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from faust.sensors.prometheus import FaustMetrics
 
-from mmpipe.schemas.settings import Settings
+from mmpipe.schemas.settings import Settings, secret
 from mmpipe.schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Prediction, peek_header, to_json
 from mmpipe.streams import transport
 from mmpipe.streams.backpressure import PartitionGate
@@ -201,7 +201,7 @@ def _faust_credentials(settings: Settings) -> Any:
     if sec.security_protocol.startswith("SASL"):
         return faust.SASLCredentials(
             username=sec.sasl_username,
-            password=sec.sasl_password,
+            password=secret(sec.sasl_password),
             mechanism=sec.sasl_mechanism or "PLAIN",
             ssl_context=context,
         )
