@@ -11,6 +11,7 @@ from mmpipe.schemas.codec import (
     decode_work_item,
     encode_event,
     encode_work_item,
+    payload_digest,
     peek_header,
     to_json,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "decode_work_item",
     "encode_event",
     "encode_work_item",
+    "payload_digest",
     "peek_header",
     "to_json",
 ]

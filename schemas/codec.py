@@ -10,6 +10,7 @@ bounded element count, and the tensors exactly fill the message after the header
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from dataclasses import dataclass, field
@@ -90,6 +91,16 @@ def decode_event(raw: bytes) -> MediaEvent:
     if raw is None:
         raise Refused("malformed_event", "empty message (tombstone)")
     return from_json(raw, MediaEvent)
+
+
+def payload_digest(event: MediaEvent) -> str:
+    """What a job asks for (modality, model, payload; a URI by its text), as a short hash: the
+    sink refuses a job ID reused for a different one (job_id_conflict) instead of merging."""
+    digest = hashlib.blake2b(digest_size=16)
+    for field_ in (event.modality, str(event.model), event.payload.uri or "", event.payload.text or ""):
+        digest.update(field_.encode() + b"\0")
+    digest.update(event.payload.data or b"")
+    return digest.hexdigest()
 
 
 def encode_event(event: MediaEvent) -> bytes:

@@ -423,6 +423,22 @@ def test_any_delivery_order_gives_the_in_order_result_once(store: ResultStore, d
     assert same_content(store.get_result(job_id), assemble(parts))
 
 
+def test_a_job_id_reused_for_another_payload_is_refused_and_recorded_never_merged(store: ResultStore) -> None:
+    job_id = new_job_id()
+
+    def part(index: int, digest: str) -> Prediction:
+        p = frame(job_id, index, 2)
+        return msgspec.structs.replace(p, meta={**p.meta, "payload_digest": digest})
+
+    assert store.record_part(part(0, "video-a"), assemble) is None
+    refused = store.record_part(part(1, "video-b"), assemble)  # the other video's second frame
+    assert refused.reason == "job_id_conflict" and "video-a" in refused.detail
+    assert store.counts()["parts"] == 1 and store.get_result(job_id) is None  # not merged
+    assert [(c["kind"], c["existing"], c["incoming"]) for c in store.conflicts()] == [("job_id_conflict", "video-a", "video-b")]
+    final = store.record_part(part(1, "video-a"), assemble)  # the first video's own frame completes it
+    assert final.created and final.result.parts == 2
+
+
 # Backends, outages, connections ------------------------------------------------------------
 def test_open_store_routes_by_url(tmp_path, postgres_url: str) -> None:
     assert isinstance(open_store(f"sqlite:///{tmp_path / 'r.db'}"), SqliteStore)

@@ -21,7 +21,7 @@ from mmpipe.stages.decode.isolation import DecodePool
 from mmpipe.stages.decode.media import DecodedMedia, DecodeLimits, decode_text, windows
 from mmpipe.models.base import ModelError, ModelSpec
 from mmpipe.models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
-from mmpipe.schemas import MediaEvent, Refused, WorkItem, decode_event, encode_work_item
+from mmpipe.schemas import MediaEvent, Refused, WorkItem, decode_event, encode_work_item, payload_digest
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.faults import crash_point
 from mmpipe.streams.metrics import StageMetrics
@@ -102,6 +102,7 @@ class DecodeStage(Stage):
     ) -> list[WorkItem]:
         now = time.time()
         trace = {"created": event.created_at, "decode_in": started, "decode_out": now}
+        digest = payload_digest(event)
         parts: list[tuple[str, ModelSpec, dict, dict]] = []
         if isinstance(media, str):
             parts.append(("text", spec, {}, {"text": media}))
@@ -129,7 +130,7 @@ class DecodeStage(Stage):
                 created_at=event.created_at,
                 deadline=deadline,
                 trace=dict(trace),
-                meta=meta,
+                meta={**meta, "payload_digest": digest},
                 tensors=tensors,
             )
             for index, (kind, part_spec, tensors, meta) in enumerate(parts)

@@ -19,6 +19,7 @@ from mmpipe.schemas import (
     DeadLetter,
     JobResult,
     Prediction,
+    Refused,
     Timings,
     decode_dead_letter,
     decode_prediction,
@@ -61,6 +62,8 @@ class SinkStage(Stage):
             prediction = decode_prediction(message.value)
             prediction.trace["sink_in"] = sink_in
             final = await self._call(self.store.record_part, prediction, assemble)
+            if isinstance(final, Refused):  # a job ID reused for another payload
+                raise final
         self.metrics.observe_service("sink", time.time() - sink_in)
         if final is None or (final.published and not final.created):
             return []
@@ -77,8 +80,9 @@ class SinkStage(Stage):
 
     async def _dead_letter(self, letter: DeadLetter, sink_in: float) -> Final | None:
         await self._call(self.store.record_dead_letter, letter)
-        if letter.job_id.startswith("unknown:"):
-            return None  # no job to answer: the dead-letter row is the whole record
+        if letter.job_id.startswith("unknown:") or letter.reason == "job_id_conflict":
+            # No job to answer, or one that is another's: the dead-letter row is the record.
+            return None
         return await self._call(self.store.record_result, failed_result(letter, sink_in))
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
