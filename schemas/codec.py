@@ -151,6 +151,17 @@ class WorkItem:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+def failed_part(item: WorkItem, refused: Refused) -> Prediction:
+    """The answer for one part of a multi-part job that failed on its own (a bad frame): the
+    job completes with this part's error beside the other parts' outputs."""
+    return Prediction(
+        job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,  # type: ignore[arg-type]
+        modality=item.modality, model=item.model, status="error",  # type: ignore[arg-type]
+        created_at=item.created_at, trace=item.trace, meta=item.meta,
+        error=f"{refused.reason}: {refused.detail}",
+    )
+
+
 def encode_work_item(item: WorkItem) -> bytes:
     specs = []
     blobs = []

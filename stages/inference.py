@@ -18,7 +18,7 @@ import torch
 from mmpipe.models.base import BadInput, LoadedModel
 from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
-from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
+from mmpipe.schemas import BadMessage, ModelRef, Prediction, WorkItem, decode_work_item, failed_part, to_json
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
@@ -77,6 +77,16 @@ class InferenceStage(Stage):
         batcher = self.batchers.get(item.model)
         if batcher is None:
             raise BadMessage("model_not_served", f"this inference group serves {', '.join(map(str, self.batchers))}; not {item.model}")
+        try:
+            return await self._infer(message, item)
+        except BadMessage as exc:
+            if item.parts == 1:
+                raise
+            # One bad part (a frame) of a multi-part job: answer it as failed, keep the others.
+            return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(failed_part(item, exc)))]
+
+    async def _infer(self, message: Incoming, item: WorkItem) -> list[Outgoing]:
+        batcher = self.batchers[item.model]
         try:  # untrusted until checked: nothing reaches the model that its spec does not declare
             self.models[item.model].spec.check_input(item.tensors)
         except BadInput as exc:

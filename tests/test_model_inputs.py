@@ -42,9 +42,9 @@ def test_non_finite_pixels_are_refused():
         spec.check_input({"pixels": pixels})
 
 
-def _item(ids: np.ndarray) -> bytes:
+def _item(ids: np.ndarray, parts: int = 1) -> bytes:
     now = time.time()
-    return encode_work_item(WorkItem(job_id="tok-1", part=0, parts=1, kind="text", modality="text", model=TEXT,
+    return encode_work_item(WorkItem(job_id="tok-1", part=0, parts=parts, kind="text", modality="text", model=TEXT,
                                      created_at=now, deadline=now + 60, tensors={"input_ids": ids}))
 
 
@@ -65,6 +65,11 @@ def test_inference_refuses_out_of_vocabulary_and_overlong_token_ids_and_serves_g
             out = await stage.handle(Incoming("t.ready", 0, 2, b"tok-1", _item(np.array([101, 7592, 102], np.int32)),
                                               time.time(), time.time()))
             assert decode_prediction(out[0].value).output["dim"] == 384
+            # One bad part of a multi-part job is answered as failed, not dead-lettered.
+            out = await stage.handle(Incoming("t.ready", 0, 3, b"tok-1", _item(np.array([30522], np.int32), parts=2),
+                                              time.time(), time.time()))
+            failed = decode_prediction(out[0].value)
+            assert failed.status == "error" and failed.error.startswith("bad_input: ")
         finally:
             await stage.stop()
 

@@ -439,6 +439,24 @@ def test_a_job_id_reused_for_another_payload_is_refused_and_recorded_never_merge
     assert final.created and final.result.parts == 2
 
 
+def test_a_video_with_one_bad_frame_completes_with_that_frames_error(store: ResultStore) -> None:
+    job_id = new_job_id()
+    bad = msgspec.structs.replace(frame(job_id, 1, 3), status="error", output=None, error="bad_input: pixels: not finite")
+    final = store_all(store, [frame(job_id, 0, 3), bad, frame(job_id, 2, 3)])[-1]
+    assert final.result.status == "ok"
+    frames = final.result.prediction["frames"]
+    assert [f.get("label") for f in frames] == ["class-0", None, "class-2"]
+    assert frames[1] == {"frame": 1, "t_s": 0.5, "error": "bad_input: pixels: not finite"}
+
+
+def test_a_job_whose_every_part_failed_is_an_error_with_the_first_reason(store: ResultStore) -> None:
+    job_id = new_job_id()
+    parts = [msgspec.structs.replace(frame(job_id, i, 2), status="error", output=None, error="model_error: boom")
+             for i in range(2)]
+    final = store_all(store, parts)[-1]
+    assert final.result.status == "error" and final.result.error == {"code": "model_error", "message": "boom"}
+
+
 # Backends, outages, connections ------------------------------------------------------------
 def test_open_store_routes_by_url(tmp_path, postgres_url: str) -> None:
     assert isinstance(open_store(f"sqlite:///{tmp_path / 'r.db'}"), SqliteStore)

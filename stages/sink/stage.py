@@ -144,6 +144,9 @@ def assemble(parts: list[Prediction]) -> JobResult:
         code = "deadline_exceeded" if first_unanswered.status == "expired" else "overloaded"
         error = {"code": code, "message": first_unanswered.error or ""}
         return JobResult(status=first_unanswered.status, prediction=None, error=error, **common)
+    if all(p.status == "error" for p in parts):  # no part to show: the job failed
+        code, _, message = (parts[0].error or "").partition(": ")
+        return JobResult(status="error", prediction=None, error={"code": code, "message": message}, **common)
     return JobResult(status="ok", prediction=_prediction(first.modality, parts), **common)
 
 
@@ -151,7 +154,7 @@ def _prediction(modality: str, parts: list[Prediction]) -> Any:
     if modality in ("image", "text"):
         return parts[0].output
     frames = [
-        {"frame": p.meta.get("frame"), "t_s": p.meta.get("t_s"), **p.output}
+        {"frame": p.meta.get("frame"), "t_s": p.meta.get("t_s"), **(p.output if p.status == "ok" else {"error": p.error})}
         for p in sorted(parts, key=lambda p: p.part)
         if p.kind == "image"
     ]
@@ -166,7 +169,8 @@ def merge_speech(parts: list[Prediction]) -> dict[str, Any]:
     """Join per-window VAD outputs into one timeline (offsets added, boundary splits merged)."""
     segments: list[dict[str, float]] = []
     duration = 0.0
-    for part in sorted(parts, key=lambda p: p.meta.get("offset_s", 0.0)):
+    failed = [p for p in parts if p.status == "error"]
+    for part in sorted((p for p in parts if p.status == "ok"), key=lambda p: p.meta.get("offset_s", 0.0)):
         offset = float(part.meta.get("offset_s", 0.0))
         duration = max(duration, offset + float(part.output.get("duration_s", 0.0)))
         for seg in part.output.get("segments", []):
@@ -176,7 +180,10 @@ def merge_speech(parts: list[Prediction]) -> dict[str, Any]:
             else:
                 segments.append({"start_s": start, "end_s": end})
     speech = sum(s["end_s"] - s["start_s"] for s in segments)
-    return {"segments": segments, "duration_s": round(duration, 3), "speech_s": round(speech, 3)}
+    merged: dict[str, Any] = {"segments": segments, "duration_s": round(duration, 3), "speech_s": round(speech, 3)}
+    if failed:  # windows that failed on their own, beside the others' segments
+        merged["failed_windows"] = [{"offset_s": p.meta.get("offset_s"), "error": p.error} for p in failed]
+    return merged
 
 
 def timings_from_trace(trace: dict[str, float], created: float, completed: float, batch_size: int = 0) -> Timings:
