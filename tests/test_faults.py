@@ -38,6 +38,8 @@ def assert_exactly_once(report) -> None:
     assert report.missing == [], f"lost in the store: {report.missing[:10]}"
     assert report.missing_on_topic == [], f"lost on the topic: {report.missing_on_topic[:10]}"
     assert report.jobs_with_conflicting_results == [], report.jobs_with_conflicting_results[:10]
+    assert report.topic_differs_from_store == [], report.topic_differs_from_store[:10]
+    assert report.conflicts == 0
     assert report.stored_results == report.jobs + report.bad_inputs  # primary key: one row each
     assert report.topic_jobs == report.jobs + report.bad_inputs
 

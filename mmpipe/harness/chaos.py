@@ -37,6 +37,8 @@ class ChaosReport:
     topic_records: int = 0  # records on the results topic (redeliveries included)
     topic_jobs: int = 0  # distinct job ids on the results topic
     jobs_with_conflicting_results: list[str] = field(default_factory=list)  # >1 distinct result
+    topic_differs_from_store: list[str] = field(default_factory=list)  # a topic record != the stored row
+    conflicts: int = 0  # rows in the store's conflicts table (replays that disagreed)
     missing_on_topic: list[str] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
     bad_input_reasons: dict[str, int] = field(default_factory=dict)
@@ -56,19 +58,21 @@ class ChaosReport:
 
 
 def workload(jobs: int, seed: int = 0) -> list[MediaEvent]:
-    """A mix of small real inputs: texts, inline PNG images, inline WAV speech snippets."""
+    """A mix of small real inputs: texts, inline PNG images, inline WAV snippets, and
+    multi-part jobs beside them: 2 s videos (two sampled frames and an audio track: three
+    parts, assembled from three inference answers)."""
     image = samples.encode_image(samples.synthetic_picture(96, 72, seed=seed))
     audio = samples.encode_audio(samples.tone_pcm(0.5))
+    video = samples.encode_video(seconds=2.0, width=96, height=72, fps=10, audio=samples.tone_pcm(2.0), seed=seed)
+    payloads = {"image": {"data": image}, "audio": {"data": audio}, "video": {"data": video}}
     events = []
     for i in range(jobs):
-        kind = ("text", "image", "text", "audio")[i % 4]
+        kind = ("text", "image", "video", "text", "audio")[i % 5]
         job_id = f"chaos-{seed}-{i:06d}"
         if kind == "text":
             events.append(make_event("text", text=f"fault run sentence number {i}", job_id=job_id))
-        elif kind == "image":
-            events.append(make_event("image", data=image, job_id=job_id))
         else:
-            events.append(make_event("audio", data=audio, job_id=job_id))
+            events.append(make_event(kind, job_id=job_id, **payloads[kind]))
     return events
 
 
@@ -161,6 +165,7 @@ class ChaosRun:
         try:
             results = {r.job_id: r for r in store.iter_results()}
             self.report.stored_results = len(results)
+            self.report.conflicts = len(store.conflicts())
         finally:
             store.close()
         good_ids = [e.job_id for e in self.events]
@@ -177,6 +182,9 @@ class ChaosRun:
         self.report.topic_records = len(records)
         self.report.topic_jobs = len(by_job)
         self.report.jobs_with_conflicting_results = sorted(j for j, bodies in by_job.items() if len(bodies) > 1)
+        self.report.topic_differs_from_store = sorted(
+            j for j, bodies in by_job.items() if j in results and bodies != {to_json(results[j])}
+        )
         self.report.missing_on_topic = [j for j in good_ids + bad_ids if j not in by_job]
 
 
