@@ -6,7 +6,9 @@ kill timed by luck. `settings.fault_points` lists them:
     "decode.handle:JOB_ID"          kill it there every time that job comes by (a poison job)
 
 Points in the code: sink.after_commit (a job's result is committed to the store, not yet
-published), decode.handle (an event is about to be decoded).
+published), sink.between_parts (a part of a multi-part job is stored, the job is not complete),
+inference.batch (inside a model batch, on the executor thread), decode.handle (an event is
+about to be decoded).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import signal
 from mmpipe.schemas.settings import Settings
 
 log = logging.getLogger(__name__)
+POINTS = ("sink.after_commit", "sink.between_parts", "inference.batch", "decode.handle")
+
+
+def fired(settings: Settings) -> list[str]:
+    """The once-only points that have fired under this state directory."""
+    return sorted(p.name.removesuffix(".fired") for p in settings.state_path("faults").glob("*.fired"))
 
 
 def crash_point(settings: Settings, point: str, job_id: str) -> None:

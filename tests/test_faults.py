@@ -177,3 +177,21 @@ def test_a_job_that_kills_the_decode_stage_is_dead_lettered_as_crashed_stage(bro
     assert crashes == 3  # the first (with neighbours in flight), then two alone
     assert results["poison-1"].status == "error" and results["poison-1"].error["code"] == "crashed_stage"
     assert all(results[e.job_id].status == "ok" for e in events if e.job_id != "poison-1")
+
+
+def test_crashes_at_named_points_lose_and_double_nothing(broker, tmp_path, media_dir):
+    """A crash at each named point, once, while multi-part and single-part jobs flow: inside an
+    inference batch, between the stored parts of one job, and between a result's commit and its
+    publication. Each dead stage is restarted; every job ends once, as stored."""
+    points = ["inference.batch", "sink.between_parts", "sink.after_commit"]
+    pipeline = fault_pipeline(broker, tmp_path, media_dir, state_dir=tmp_path / "state", fault_points=points)
+    pipeline.start()
+    try:
+        run = ChaosRun(pipeline, workload(40, seed=4), bad_workload(4), rate=20)
+        report = run.run([])
+    finally:
+        pipeline.stop()
+    assert report.fault_points_fired == sorted(points)
+    assert sorted(report.kills) == ["inference-0@fault-point", "sink-0@fault-point", "sink-0@fault-point"]
+    assert_exactly_once(report)
+    assert report.statuses == {"ok": report.jobs}

@@ -21,6 +21,7 @@ from mmpipe.stages.decode import samples
 from mmpipe.client import Publisher, follow_results, make_event
 from mmpipe.schemas.settings import Settings
 from mmpipe.stages.sink.store import StoreUnavailable, count_results, open_store
+from mmpipe.streams.faults import fired
 from mmpipe.streams.topology import STAGE_NAMES
 from mmpipe.supervisor import Pipeline
 from mmpipe.schemas import MediaEvent, ModelRef, to_json
@@ -39,6 +40,7 @@ class ChaosReport:
     jobs_with_conflicting_results: list[str] = field(default_factory=list)  # >1 distinct result
     topic_differs_from_store: list[str] = field(default_factory=list)  # a topic record != the stored row
     conflicts: int = 0  # rows in the store's conflicts table (replays that disagreed)
+    fault_points_fired: list[str] = field(default_factory=list)  # named crash points (streams/faults.py)
     missing_on_topic: list[str] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
     bad_input_reasons: dict[str, int] = field(default_factory=dict)
@@ -126,9 +128,17 @@ class ChaosRun:
         target = int(fraction * (len(self.events) + len(self.bad)))
         deadline = time.monotonic() + timeout_s
         while self.stored() < target:
+            self.restart_crashed()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {self.stored()} of {target} results after {timeout_s}s")
             time.sleep(0.25)
+
+    def restart_crashed(self) -> None:
+        """Restart every stage process a fault point killed (SIGKILL by itself)."""
+        for proc in list(self.pipeline.processes):
+            if not proc.alive() and proc.process.returncode == -signal.SIGKILL:
+                self.report.kills.append(f"{proc.name}@fault-point")
+                self.pipeline.restart(proc.stage, proc.index)
 
     def kill_and_restart(self, stage: str, index: int = 0) -> None:
         self.pipeline.kill(stage, index, signal.SIGKILL)
@@ -157,6 +167,7 @@ class ChaosRun:
         except TimeoutError:
             pass  # counted as missing below
         self.report.duration_s = round(time.monotonic() - started, 1)
+        self.report.fault_points_fired = fired(self.settings)
         self._verify()
         return self.report
 

@@ -64,6 +64,8 @@ class SinkStage(Stage):
             final = await self._call(self.store.record_part, prediction, assemble)
             if isinstance(final, Refused):  # a job ID reused for another payload
                 raise final
+            if final is None and prediction.parts > 1:
+                crash_point(self.settings, "sink.between_parts", prediction.job_id)  # a part stored, not all
         self.metrics.observe_service("sink", time.time() - sink_in)
         if final is None or (final.published and not final.created):
             return []
