@@ -51,7 +51,9 @@ class PostgresStore(SqlStore):
         self._pool = ConnectionPool(
             _with_defaults(url, connect_timeout_s),
             kwargs={"autocommit": True},
-            min_size=1,
+            # Connections made on demand (none at open: a background fill racing the first call
+            # would open two for one caller) and kept until idle for max_idle.
+            min_size=0,
             max_size=max_size,
             timeout=ACQUIRE_TIMEOUT_S,
             check=ConnectionPool.check_connection,
