@@ -211,7 +211,10 @@ def kill_every_stage_plan(run: ChaosRun) -> list[tuple[float, Callable[[], None]
 
 def run_chaos(settings: Settings, workdir: Path, jobs: int, bad: int, rate: float,
               embedded_broker: bool = True) -> ChaosReport:
-    """The README's fault run: kill every stage in turn, then scale inference out and back in."""
+    """The README's fault run: kill every stage in turn, then scale inference out and back in
+    (and crash once at each named point in settings.fault_points, armed anew for this run)."""
+    for marker in settings.state_path("faults").glob("*.fired"):
+        marker.unlink()
     pipeline = Pipeline(settings, workdir=workdir, embedded_broker=embedded_broker)
     pipeline.start()
     try:
