@@ -48,7 +48,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mmpipe.api_runtime import BrokerLink, BrokerUnavailable, ResultListener, StoreWorker
 from mmpipe.client import guess_modality, make_event, parse_model
 from mmpipe.stages.decode.inputs import InputError, resolve_local_uri
-from mmpipe.schemas.settings import Settings, load_settings
+from mmpipe.schemas.settings import Settings, load_settings, redact_url, secret
 from mmpipe.stages.sink.store import JobRecord, StoreUnavailable
 from mmpipe.stages.sink.store.base import TERMINAL_STATE
 from mmpipe.models.base import ModelSpec, UnknownModel, WrongModality
@@ -272,6 +272,14 @@ def payload_limit(settings: Settings) -> int:
 bearer_scheme = HTTPBearer(auto_error=False, description="Authorization: Bearer <MMPIPE_API_TOKEN>")
 
 
+def _holds_token(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> bool:
+    """True with no token configured, else only for the right bearer token."""
+    token = secret(settings.api_token)
+    if not token:
+        return True
+    return credentials is not None and hmac.compare_digest(credentials.credentials.encode(), token.encode())
+
+
 def bearer_auth(token: str) -> Callable[..., Awaitable[None]]:
     expected = token.encode()
 
@@ -441,7 +449,7 @@ class ApiRuntime:
         try:
             await self.store.ensure_schema()
         except StoreUnavailable as exc:
-            log.warning("store %s not reachable at start-up (readiness will say so): %s", self.settings.store_url, exc)
+            log.warning("store %s not reachable at start-up (readiness will say so): %s", redact_url(self.settings.store_url), exc)
         self.listener.start()
 
     async def stop(self) -> None:
@@ -546,7 +554,7 @@ async def job_view(runtime: ApiRuntime, request: Request, job_id: str) -> dict[s
 # Routes -----------------------------------------------------------------------------------------
 def jobs_router(runtime: ApiRuntime) -> APIRouter:
     settings = runtime.settings
-    auth = [Depends(bearer_auth(settings.api_token))] if settings.api_token else []
+    auth = [Depends(bearer_auth(secret(settings.api_token)))] if settings.api_token else []
     router = APIRouter(prefix="/v1", tags=["jobs"], dependencies=auth, responses=REFUSALS)
 
     @router.post(
@@ -644,10 +652,14 @@ def health_router(runtime: ApiRuntime) -> APIRouter:
         "listener is following the results topic; else 503 naming the failed check.",
         responses={503: {"model": Readiness, "description": "a dependency is not ready"}},
     )
-    async def readyz() -> Response:
+    async def readyz(credentials: HTTPAuthorizationCredentials | None = Security(bearer_scheme)) -> Response:
         checks = await runtime.readiness()
         ready = all(check["ok"] for check in checks.values())
-        return json_response(200 if ready else 503, {"status": "ready" if ready else "not ready", "checks": checks})
+        body: dict[str, Any] = {"status": "ready" if ready else "not ready"}
+        # The checks' details (hosts, exception text) only for those holding the token.
+        if _holds_token(runtime.settings, credentials):
+            body["checks"] = checks
+        return json_response(200 if ready else 503, body)
 
     return router
 
@@ -697,6 +709,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="1",
         summary="Submit media jobs to the mmpipe pipeline and read their results.",
         lifespan=lifespan,
+        **({} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
     )
     app.state.runtime = runtime
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))

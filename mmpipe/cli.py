@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mmpipe.capacity import LATENCY_BUDGET_S
-from mmpipe.schemas.settings import Settings, load_settings
+from mmpipe.schemas.settings import Settings, load_settings, redact_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -179,7 +179,7 @@ def results(
     job = store.get_job(job_id)
     result = store.get_result(job_id)
     if job is None and result is None:
-        console.print(f"[red]no job {job_id!r} in {settings.store_url}[/]")
+        console.print(f"[red]no job {job_id!r} in {redact_url(settings.store_url)}[/]")
         raise typer.Exit(1)
     if job is not None:
         console.print(f"job {job.job_id}: [bold]{job.state}[/]  " + "  ".join(f"{k}={v:.3f}" for k, v in job.state_times.items()))
@@ -272,6 +272,7 @@ def api(
     host: str = typer.Option("127.0.0.1", help="address to listen on (loopback by default)"),
     port: int = typer.Option(8080, help="TCP port"),
     bootstrap: BootstrapOpt = None,
+    insecure: bool = typer.Option(False, "--insecure", help="serve off loopback without MMPIPE_API_TOKEN (anyone may submit)"),
 ) -> None:
     """Serve the HTTP job API (POST /v1/jobs, GET /v1/jobs/ID, POST /v1/predict, /healthz, /readyz)."""
     import uvicorn
@@ -280,9 +281,14 @@ def api(
 
     settings = _settings(bootstrap)
     if not settings.api_token and host not in ("127.0.0.1", "localhost", "::1"):
-        console.print(f"[yellow]warning: no MMPIPE_API_TOKEN set: anyone who reaches {host}:{port} can submit jobs[/]")
+        if not insecure:
+            console.print(f"[red]refusing to serve {host}:{port} without MMPIPE_API_TOKEN: set one, bind loopback, "
+                          "or pass --insecure[/]")
+            raise typer.Exit(2)
+        console.print(f"[yellow]warning: --insecure: anyone who reaches {host}:{port} can submit jobs[/]")
     level = settings.log_level.lower()
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning" if level == "warn" else level)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning" if level == "warn" else level,
+                limit_concurrency=settings.api_max_concurrency)
 
 
 @app.command()

@@ -46,6 +46,7 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]  # -1 marks a variable dimension
+    value_range: tuple[int, int] | None = None  # inclusive bounds of integer values (token ids)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,18 @@ class ModelSpec(abc.ABC):
     def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
         """Decoded media -> model-ready tensors (runs in the preprocess stage)."""
 
+    def check_input(self, tensors: dict[str, np.ndarray]) -> None:
+        """Raise BadInput unless `tensors` is what config.inputs declares: the same names, dtypes
+        and ranks, fixed dimensions equal, variable ones within the largest length bucket,
+        integers within their value range (an out-of-range token id is a device-side assert on
+        CUDA that fails every later batch of the replica), floats finite."""
+        declared = {spec.name: spec for spec in self.config.inputs}
+        if set(tensors) != set(declared):
+            raise BadInput(f"{self.ref} takes tensors {sorted(declared)}, got {sorted(tensors)}")
+        longest = max(self.config.length_buckets, default=None)
+        for name, spec in declared.items():
+            _check_tensor(spec, tensors[name], longest)
+
     def bucket_key(self, tensors: dict[str, np.ndarray]) -> Hashable:
         """Items with equal keys can share a batch. Default: identical shapes."""
         return tuple((name, array.shape) for name, array in sorted(tensors.items()))
@@ -115,6 +128,22 @@ class ModelSpec(abc.ABC):
     def example_input(self) -> dict[str, np.ndarray]:
         """A model-ready input for warm-up and benchmarks."""
         raise NotImplementedError
+
+
+def _check_tensor(spec: TensorSpec, array: np.ndarray, longest: int | None) -> None:
+    if array.dtype.name != spec.dtype or array.ndim != len(spec.shape):
+        raise BadInput(f"{spec.name}: want {spec.dtype}{list(spec.shape)}, got {array.dtype.name}{list(array.shape)}")
+    for want, got in zip(spec.shape, array.shape):
+        if (want != -1 and got != want) or (want == -1 and longest is not None and got > longest):
+            raise BadInput(f"{spec.name}: shape {list(array.shape)} does not fit {list(spec.shape)} (longest bucket {longest})")
+    if array.size == 0:
+        return
+    if spec.value_range is not None:
+        low, high = spec.value_range
+        if array.min() < low or array.max() > high:
+            raise BadInput(f"{spec.name}: values outside [{low}, {high}]")
+    elif array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise BadInput(f"{spec.name}: values that are not finite")
 
 
 def bucket_length(length: int, buckets: Sequence[int]) -> int:

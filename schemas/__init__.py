@@ -11,9 +11,12 @@ from mmpipe.schemas.codec import (
     decode_work_item,
     encode_event,
     encode_work_item,
+    failed_part,
+    payload_digest,
     peek_header,
     to_json,
 )
+from mmpipe.schemas.errors import Refused
 from mmpipe.schemas.events import (
     SCHEMA_VERSION,
     DeadLetter,
@@ -36,6 +39,7 @@ __all__ = [
     "ModelRef",
     "Payload",
     "Prediction",
+    "Refused",
     "Timings",
     "WorkItem",
     "decode_dead_letter",
@@ -46,6 +50,8 @@ __all__ = [
     "decode_work_item",
     "encode_event",
     "encode_work_item",
+    "failed_part",
+    "payload_digest",
     "peek_header",
     "to_json",
 ]

@@ -1,13 +1,17 @@
-"""Serialisation of the contracts: JSON (orjson) for events and results, a binary envelope for
-work items that carry tensors.
+"""Serialisation of the contracts: JSON for events and results, a binary envelope for work
+items that carry tensors.
 
-JSON decoding is two steps on purpose: orjson parses (a syntax error says where), then msgspec
-converts the dict into the typed struct (a type error says which field). Both become BadMessage
-with a reason code, so a stage can send the input to the dead-letter topic with that reason.
+JSON is decoded in one typed pass (msgspec.json.decode with the target type): a syntax error
+says where, a type error names the path of the bad field. Both become Refused with a reason
+code, so a stage can send the input to the dead-letter topic with that reason. Work items are
+checked against their own size before any tensor is copied: shapes are non-negative with a
+bounded element count, and the tensors exactly fill the message after the header.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,39 +31,56 @@ from mmpipe.schemas.events import (
     Prediction,
 )
 
+from mmpipe.schemas.errors import BadMessage, Refused  # noqa: F401  (BadMessage: re-exported)
+
 T = TypeVar("T")
-
-
-class BadMessage(ValueError):
-    """A message that can never be processed; `reason` is a stable code for the DLQ."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 def to_json(obj: Any) -> bytes:
     return orjson.dumps(msgspec.to_builtins(obj), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+class _Envelope(msgspec.Struct):
+    """The fields that name a refusal's reason, read only when typed decoding failed."""
+
+    schema_version: Any = None
+    modality: Any = None
+
+
 def from_json(raw: bytes, type_: type[T]) -> T:
     try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadMessage("malformed_json", str(exc)) from None
-    if not isinstance(data, dict):
-        raise BadMessage("malformed_event", f"expected a JSON object, got {type(data).__name__}")
-    version = data.get("schema_version")
+        obj = msgspec.json.decode(raw, type=type_, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _refusal(raw, exc) from None
+    except msgspec.DecodeError as exc:
+        raise Refused("malformed_json", str(exc)) from None
+    _check_version(getattr(obj, "schema_version", None))
+    return obj
+
+
+def _check_version(version: object) -> None:
     if version is not None and version != SCHEMA_VERSION:
-        raise BadMessage(
+        raise Refused(
             "unsupported_schema_version",
             f"schema_version {version!r} is not supported; this build reads {SCHEMA_VERSION}",
         )
+
+
+def _refusal(raw: bytes, exc: msgspec.ValidationError) -> Refused:
+    """The reason a well-formed JSON document was refused: a version or modality this build
+    does not know says so; any other type error is a malformed event (with the field path)."""
     try:
-        return msgspec.convert(data, type_, strict=False)
-    except msgspec.ValidationError as exc:
-        raise BadMessage("malformed_event", str(exc)) from None
+        envelope = msgspec.json.decode(raw, type=_Envelope)
+    except msgspec.DecodeError:  # not an object at all
+        return Refused("malformed_event", str(exc))
+    try:
+        _check_version(envelope.schema_version)
+    except Refused as refused:
+        return refused
+    modality = envelope.modality
+    if modality is not None and modality not in MODALITIES:
+        return Refused("unknown_modality", unknown_modality(modality))
+    return Refused("malformed_event", str(exc))
 
 
 def unknown_modality(modality: object) -> str:
@@ -68,22 +89,18 @@ def unknown_modality(modality: object) -> str:
 
 def decode_event(raw: bytes) -> MediaEvent:
     if raw is None:
-        raise BadMessage("malformed_event", "empty message (tombstone)")
-    try:
-        return from_json(raw, MediaEvent)
-    except BadMessage as exc:
-        modality = _peek_modality(raw)
-        if modality is not None and modality not in MODALITIES:
-            raise BadMessage("unknown_modality", unknown_modality(modality)) from exc
-        raise
+        raise Refused("malformed_event", "empty message (tombstone)")
+    return from_json(raw, MediaEvent)
 
 
-def _peek_modality(raw: bytes) -> object:
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return data.get("modality") if isinstance(data, dict) else None
+def payload_digest(event: MediaEvent) -> str:
+    """What a job asks for (modality, model, payload; a URI by its text), as a short hash: the
+    sink refuses a job ID reused for a different one (job_id_conflict) instead of merging."""
+    digest = hashlib.blake2b(digest_size=16)
+    for field_ in (event.modality, str(event.model), event.payload.uri or "", event.payload.text or ""):
+        digest.update(field_.encode() + b"\0")
+    digest.update(event.payload.data or b"")
+    return digest.hexdigest()
 
 
 def encode_event(event: MediaEvent) -> bytes:
@@ -134,6 +151,17 @@ class WorkItem:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+def failed_part(item: WorkItem, refused: Refused) -> Prediction:
+    """The answer for one part of a multi-part job that failed on its own (a bad frame): the
+    job completes with this part's error beside the other parts' outputs."""
+    return Prediction(
+        job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,  # type: ignore[arg-type]
+        modality=item.modality, model=item.model, status="error",  # type: ignore[arg-type]
+        created_at=item.created_at, trace=item.trace, meta=item.meta,
+        error=f"{refused.reason}: {refused.detail}",
+    )
+
+
 def encode_work_item(item: WorkItem) -> bytes:
     specs = []
     blobs = []
@@ -179,41 +207,80 @@ def peek_header(raw: bytes | None) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+class _TensorSpec(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class _ItemHeader(msgspec.Struct):
+    job_id: str
+    part: int
+    parts: int
+    kind: str
+    modality: str
+    model: tuple[str, str]
+    created_at: float
+    deadline: float
+    trace: dict[str, float]
+    meta: dict[str, Any]
+    tensors: list[_TensorSpec]
+
+
 def decode_work_item(raw: bytes) -> WorkItem:
     if raw is None or len(raw) < _HEADER.size:
-        raise BadMessage("malformed_item", "work item shorter than its header")
+        raise Refused("malformed_item", "work item shorter than its header")
     magic, header_len = _HEADER.unpack_from(raw)
     if magic != _MAGIC:
-        raise BadMessage("malformed_item", f"bad magic {magic!r}")
+        raise Refused("malformed_item", f"bad magic {magic!r}")
+    offset = _HEADER.size + header_len
+    if offset > len(raw):
+        raise Refused("malformed_item", f"header of {header_len} bytes runs past the message end")
     try:
-        header = orjson.loads(raw[_HEADER.size : _HEADER.size + header_len])
-        offset = _HEADER.size + header_len
-        tensors: dict[str, np.ndarray] = {}
-        for spec in header["tensors"]:
-            dtype = np.dtype(spec["dtype"])
-            if dtype.name not in _ALLOWED_DTYPES:
-                raise ValueError(f"dtype {dtype} not allowed")
-            shape = tuple(int(d) for d in spec["shape"])
-            count = int(np.prod(shape)) if shape else 1
-            nbytes = count * dtype.itemsize
-            if offset + nbytes > len(raw):
-                raise ValueError(f"tensor {spec['name']!r} runs past the message end")
-            # Copy: torch wants writable memory and the Kafka buffer is immutable bytes.
-            tensors[spec["name"]] = np.frombuffer(raw, dtype, count, offset).reshape(shape).copy()
-            offset += nbytes
-        name, version = header["model"]
-        return WorkItem(
-            job_id=header["job_id"],
-            part=int(header["part"]),
-            parts=int(header["parts"]),
-            kind=header["kind"],
-            modality=header["modality"],
-            model=ModelRef(name, version),
-            created_at=float(header["created_at"]),
-            deadline=float(header["deadline"]),
-            trace=dict(header["trace"]),
-            meta=dict(header["meta"]),
-            tensors=tensors,
-        )
-    except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
-        raise BadMessage("malformed_item", str(exc)) from None
+        header = msgspec.json.decode(memoryview(raw)[_HEADER.size : offset], type=_ItemHeader)
+    except msgspec.DecodeError as exc:
+        raise Refused("malformed_item", str(exc)) from None
+    if not 0 <= header.part < header.parts:
+        raise Refused("malformed_item", f"part {header.part} is not within parts {header.parts}")
+    layout = _tensor_layout(header.tensors, offset, len(raw))
+    # Copy: torch wants writable memory and the Kafka buffer is immutable bytes.
+    tensors = {
+        spec.name: np.frombuffer(raw, dtype, count, start).reshape(spec.shape).copy()
+        for spec, dtype, count, start in layout
+    }
+    name, version = header.model
+    return WorkItem(
+        job_id=header.job_id,
+        part=header.part,
+        parts=header.parts,
+        kind=header.kind,
+        modality=header.modality,
+        model=ModelRef(name, version),
+        created_at=header.created_at,
+        deadline=header.deadline,
+        trace=header.trace,
+        meta=header.meta,
+        tensors=tensors,
+    )
+
+
+def _tensor_layout(specs: list[_TensorSpec], offset: int, size: int) -> list[tuple[_TensorSpec, np.dtype, int, int]]:
+    """Where each tensor lies in the message, checked before anything is copied: known dtypes,
+    dimensions >= 0, and tensors that exactly fill the bytes after the header (so no spec can
+    claim more memory than the message itself brought)."""
+    layout = []
+    for spec in specs:
+        if spec.dtype not in _ALLOWED_DTYPES:
+            raise Refused("malformed_item", f"tensor {spec.name!r}: dtype {spec.dtype!r} not allowed")
+        if any(not 0 <= d <= size for d in spec.shape):
+            raise Refused("malformed_item", f"tensor {spec.name!r}: dimension out of range in {spec.shape}")
+        dtype = np.dtype(spec.dtype)
+        count = math.prod(spec.shape)  # exact integer: no overflow to a small or negative count
+        end = offset + count * dtype.itemsize
+        if end > size:
+            raise Refused("malformed_item", f"tensor {spec.name!r} {spec.shape} runs past the message end")
+        layout.append((spec, dtype, count, offset))
+        offset = end
+    if offset != size:
+        raise Refused("malformed_item", f"{size - offset} bytes after the last tensor")
+    return layout

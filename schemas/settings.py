@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_serializer, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BatchMode = Literal["dynamic", "static", "off"]
@@ -35,7 +35,7 @@ class KafkaSecurity(BaseModel):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    sasl_password: SecretStr | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     max_retries: int = Field(3, ge=0)
     retry_backoff_s: float = 0.2
     retry_backoff_max_s: float = 5.0
+    # A message whose processing killed its stage this many times (running alone) goes to the
+    # dead-letter topic as crashed_stage instead of crash-looping (streams/poison.py).
+    poison_max_crashes: int = Field(3, ge=1)
 
     # --- Input --------------------------------------------------------------------------
     max_payload_bytes: int = 16 * 1024 * 1024
@@ -113,6 +116,12 @@ class Settings(BaseSettings):
     video_sample_fps: float = Field(1.0, gt=0)
     video_max_frames: int = Field(16, ge=1)
     audio_max_seconds: float = Field(600.0, gt=0)
+    # Untrusted media: what a video may declare or hold, and each decode worker's budget
+    # (a process of its own; over the budget the part is refused, the stage stays up).
+    video_max_seconds: float = Field(600.0, gt=0)
+    video_max_source_frames: int = Field(36_000, ge=1)
+    decode_timeout_s: float = Field(30.0, gt=0)
+    decode_memory_limit_bytes: int = Field(1024**3, ge=256 * 1024**2)
 
     # --- Models and inference -----------------------------------------------------------
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -125,9 +134,13 @@ class Settings(BaseSettings):
     inference_workers: int = Field(2, ge=1)  # CPU workers for preprocess
     # Fault injection for benchmarks and tests (a degraded replica): extra time per batch.
     inject_execute_delay_ms: float = Field(0.0, ge=0.0)
+    # Named crash points armed for fault runs and tests (streams/faults.py); none in production.
+    fault_points: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # --- Sink ---------------------------------------------------------------------------
-    store_url: str = ""  # default: sqlite:///<state_dir>/results.db
+    # default: sqlite:///<state_dir>/results.db. May hold a password: never printed or logged
+    # as is (redact_url), left out of the settings' repr.
+    store_url: str = Field("", repr=False)
 
     # --- Observability ------------------------------------------------------------------
     metrics_port: int = 0  # 0 = no metrics server; `up` gives each stage its own port
@@ -138,7 +151,10 @@ class Settings(BaseSettings):
     log_level: str = "warn"
 
     # --- Job API --------------------------------------------------------------------------
-    api_token: str | None = None  # None or empty: no auth (the `api` command warns off loopback)
+    # None or empty: no auth, and then `mmpipe api` serves loopback only (unless --insecure).
+    api_token: SecretStr | None = None
+    api_docs: bool = True  # /docs, /redoc and /openapi.json; False turns them off
+    api_max_concurrency: int = Field(512, ge=1)  # connections+tasks at once; beyond: 503
     api_max_upload_bytes: int = Field(16 * 1024 * 1024, ge=1)
     # Sync /v1/predict: the wait when a request names none, the most a request may ask for,
     # and how many requests may wait at once (beyond it: 503 + Retry-After, use /v1/jobs).
@@ -153,12 +169,16 @@ class Settings(BaseSettings):
             return [p for p in value.split(":") if p]
         return value
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "fault_points", mode="before")
     @classmethod
     def _split_models(cls, value: object) -> object:
         if isinstance(value, str):
             return [m.strip() for m in value.split(",") if m.strip()]
         return value
+
+    @field_serializer("store_url", when_used="json")
+    def _store_url_redacted(self, url: str) -> str:
+        return redact_url(url)  # JSON dumps are for people; write_settings dumps the real one
 
     @model_validator(mode="after")
     def _paths_under_state_dir(self) -> Settings:
@@ -190,6 +210,41 @@ def load_settings() -> Settings:
 
 
 def write_settings(settings: Settings, path: Path) -> Path:
+    """Settings for a child process, secrets included: so the file is made readable by its
+    owner only (0600) before anything is written to it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(settings.model_dump_json(exclude_none=True))
+    text = json.dumps(_revealed(settings.model_dump(exclude_none=True)), default=str)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # also when the file was there before, with other permissions
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     return path
+
+
+def _revealed(value: object) -> object:
+    """model_dump output with SecretStr values written out (JSON dumps would mask them)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, dict):
+        return {key: _revealed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_revealed(item) for item in value]
+    return value
+
+
+def secret(value: SecretStr | str | None) -> str | None:
+    """The plain value of an optional secret, for the one place that must use it (a plain str
+    comes from model_copy(update=...), which does not validate)."""
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def redact_url(url: str) -> str:
+    """A connection URL fit for logs and screens: its password replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))

@@ -15,11 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from mmpipe.models.base import LoadedModel
+from mmpipe.models.base import BadInput, LoadedModel
 from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
-from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
+from mmpipe.schemas import BadMessage, ModelRef, Prediction, WorkItem, decode_work_item, failed_part, to_json
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
+from mmpipe.streams.faults import crash_point
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class InferenceStage(Stage):
         for ref, model in self.models.items():
             batcher = DynamicBatcher(
                 name=ref.name,
-                predict=self._with_injected_delay(model.predict),
+                predict=self._with_injected_faults(model.predict),
                 bucket_key=model.spec.bucket_key,
                 settings=self.settings.batching_for(ref.name),
                 model_limit=model.spec.config.max_batch_size,
@@ -56,8 +57,12 @@ class InferenceStage(Stage):
             batcher.start()
             self.batchers[ref] = batcher
 
-    def _with_injected_delay(self, predict: Callable[[list], list]) -> Callable[[list], list]:
+    def _with_injected_faults(self, predict: Callable[[list], list]) -> Callable[[list], list]:
+        """The model call with the configured fault injection: a degraded replica (a delay per
+        batch) and the inference.batch crash point."""
         delay_s = self.settings.inject_execute_delay_ms / 1000.0
+        if self.settings.fault_points:
+            predict = self._with_crash_point(predict)
         if not delay_s:
             return predict
 
@@ -66,6 +71,13 @@ class InferenceStage(Stage):
             return predict(batch)
 
         return slowed
+
+    def _with_crash_point(self, predict: Callable[[list], list]) -> Callable[[list], list]:
+        def crashing(batch: list) -> list:
+            crash_point(self.settings, "inference.batch", "")  # a batch in the model, unanswered
+            return predict(batch)
+
+        return crashing
 
     async def stop(self) -> None:
         for batcher in self.batchers.values():
@@ -77,6 +89,20 @@ class InferenceStage(Stage):
         batcher = self.batchers.get(item.model)
         if batcher is None:
             raise BadMessage("model_not_served", f"this inference group serves {', '.join(map(str, self.batchers))}; not {item.model}")
+        try:
+            return await self._infer(message, item)
+        except BadMessage as exc:
+            if item.parts == 1:
+                raise
+            # One bad part (a frame) of a multi-part job: answer it as failed, keep the others.
+            return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(failed_part(item, exc)))]
+
+    async def _infer(self, message: Incoming, item: WorkItem) -> list[Outgoing]:
+        batcher = self.batchers[item.model]
+        try:  # untrusted until checked: nothing reaches the model that its spec does not declare
+            self.models[item.model].spec.check_input(item.tensors)
+        except BadInput as exc:
+            raise BadMessage("bad_input", str(exc)) from None
         common = dict(
             job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
             modality=item.modality, model=item.model, created_at=item.created_at,

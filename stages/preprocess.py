@@ -15,7 +15,7 @@ import torch
 
 from mmpipe.models.base import BadInput, ModelError
 from mmpipe.models.registry import all_specs, get_spec
-from mmpipe.schemas import BadMessage, WorkItem, decode_work_item, encode_work_item
+from mmpipe.schemas import BadMessage, WorkItem, decode_work_item, encode_work_item, failed_part, to_json
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 
@@ -43,7 +43,13 @@ class PreprocessStage(Stage):
                 modality=item.modality, model=item.model, created_at=item.created_at,
                 trace=item.trace, detail="deadline passed before preprocess",
             )]
-        ready = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, item)
+        try:
+            ready = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, item)
+        except BadMessage as exc:
+            if item.parts == 1:
+                raise
+            # One bad part (a frame) of a multi-part job: answer it as failed, keep the others.
+            return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(failed_part(item, exc)))]
         ready.trace["preprocess_out"] = time.time()
         self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
         out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready))]

@@ -23,13 +23,14 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from faust.sensors.prometheus import FaustMetrics
 from prometheus_client import REGISTRY
 
-from mmpipe.schemas.settings import Settings
+from mmpipe.schemas.settings import Settings, secret
 from mmpipe.streams import transport
 from mmpipe.streams.admission import DownstreamAdmission
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.failure import FailurePolicy
 from mmpipe.streams.kafka import LagReader, downstream_of, group_id, ssl_context
 from mmpipe.streams.metrics import StageMonitor, serve_metrics
+from mmpipe.streams.poison import PoisonGuard
 from mmpipe.streams.retry import retry_async
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
@@ -77,7 +78,7 @@ def _faust_credentials(settings: Settings) -> Any:
     if sec.security_protocol.startswith("SASL"):
         return faust.SASLCredentials(
             username=sec.sasl_username,
-            password=sec.sasl_password,
+            password=secret(sec.sasl_password),
             mechanism=sec.sasl_mechanism or "PLAIN",
             ssl_context=context,
         )
@@ -146,6 +147,9 @@ class StageRuntime:
             shedding=lambda: stage.shedding,
         )
         stage.admit = self._admit
+        self.poison = PoisonGuard(
+            self.settings.state_path("poison", f"{group_id(self.settings, stage.name)}.db"), self.settings.poison_max_crashes
+        )
         self._lag_reader: LagReader | None = None
         self._tasks: set[asyncio.Task] = set()
         self._started = asyncio.Event()
@@ -201,13 +205,22 @@ class StageRuntime:
     async def _process(self, event: Any, tp: Any) -> None:
         message = _incoming(event.message)
         self.metrics.queue_wait.labels(self.stage.name).observe(max(message.received_at - message.timestamp, 0.0))
+        where = (message.topic, message.partition, message.offset)
+        entered = False
         try:
-            outgoing = await self.failures.run(self.stage.handle, message)
+            # Poison messages (streams/poison.py): one that kept killing this stage is given up.
+            entered = await self.poison.enter(*where)
+            if entered:
+                outgoing = await self.failures.run(self.stage.handle, message)
+            else:
+                outgoing = [self.failures.dead_letter(message, "crashed_stage", self.poison.detail(*where))]
             sent = await self.sender.send_all(outgoing, message)
             self._count_downstream(sent)
             await self._after_send(outgoing)
             event.ack()
         finally:
+            if entered:
+                await self.poison.leave(*where)
             self.admission.release(message.partition, message.offset)
             self.gate.release(tp)
             self.admission.refresh()

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from mmpipe.schemas.settings import Settings
+from mmpipe.schemas.settings import Settings, secret
 from mmpipe.streams.topics import TopicNames
 from mmpipe.streams.retry import retry_async
 from mmpipe.streams.topology import stage_spec
@@ -59,7 +59,7 @@ def client_kwargs(settings: Settings) -> dict[str, Any]:
         kwargs.update(
             sasl_mechanism=sec.sasl_mechanism or "PLAIN",
             sasl_plain_username=sec.sasl_username,
-            sasl_plain_password=sec.sasl_password,
+            sasl_plain_password=secret(sec.sasl_password),
         )
     context = ssl_context(settings)
     if context is not None:

@@ -161,13 +161,26 @@ def _os_user_for_server() -> str | None:
     return "postgres" if os.geteuid() == 0 else None
 
 
+def postgres_expected() -> bool:
+    """PostgreSQL must be there in CI (CI=true, MMPIPE_REQUIRE_POSTGRES=1) and where its Debian
+    package is installed (./dev installs it): a missing server there fails the tests."""
+    return (os.environ.get("CI", "").lower() == "true" or os.environ.get("MMPIPE_REQUIRE_POSTGRES") == "1"
+            or Path("/usr/lib/postgresql").is_dir())
+
+
+def _missing(reason: str) -> None:
+    if postgres_expected():
+        pytest.fail(f"PostgreSQL is expected here but {reason}")
+    pytest.skip(reason)
+
+
 def start_server() -> PostgresServer:
-    """A started server, or pytest.skip when PostgreSQL is not installed here."""
+    """A started server; without PostgreSQL a failure where it is expected, else a skip."""
     bin_dir = find_pg_bin()
     if bin_dir is None:
-        pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin (apt package `postgresql`; ./dev installs it)")
+        _missing("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin (apt package `postgresql`; ./dev installs it)")
     if os.geteuid() == 0 and shutil.which("runuser") is None:
-        pytest.skip("running as root needs `runuser` to start PostgreSQL as the postgres user")
+        _missing("running as root needs `runuser` to start PostgreSQL as the postgres user")
     server = PostgresServer(bin_dir)
     try:
         server.init()

@@ -363,6 +363,12 @@ async def test_readyz_reports_the_broker_down_and_healthz_stays_up(api_settings,
     assert open_store(settings.store_url).get_job("while-down") is None  # refused before recording
 
 
+async def test_readyz_details_only_with_the_token(api_settings):
+    async with running_app(api_settings) as app, client_for(app, None) as client:
+        response = await client.get("/readyz")
+    assert response.json().keys() == {"status"}  # no hosts, no exception text
+
+
 async def test_readyz_is_200_with_the_pipeline_broker(api_settings):
     async with api(api_settings) as client:
         response = await client.get("/readyz")

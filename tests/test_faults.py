@@ -16,6 +16,7 @@ from mmpipe.harness.chaos import ChaosRun, bad_workload, kill_every_stage_plan, 
 from mmpipe.schemas.settings import BatchingSettings
 from mmpipe.stages.sink.store import open_store
 from mmpipe.stages.sink.store.sqlite import sqlite_path
+from mmpipe.stages.decode import samples
 from mmpipe.supervisor import Pipeline
 from tests.conftest import make_settings
 
@@ -37,6 +38,8 @@ def assert_exactly_once(report) -> None:
     assert report.missing == [], f"lost in the store: {report.missing[:10]}"
     assert report.missing_on_topic == [], f"lost on the topic: {report.missing_on_topic[:10]}"
     assert report.jobs_with_conflicting_results == [], report.jobs_with_conflicting_results[:10]
+    assert report.topic_differs_from_store == [], report.topic_differs_from_store[:10]
+    assert report.conflicts == 0
     assert report.stored_results == report.jobs + report.bad_inputs  # primary key: one row each
     assert report.topic_jobs == report.jobs + report.bad_inputs
 
@@ -110,3 +113,85 @@ def test_locked_database_delays_results_but_loses_none(broker, tmp_path, media_d
 def _count_results(path: str) -> int:
     with sqlite3.connect(path, timeout=30) as conn:
         return conn.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+
+
+def _wait_exit(proc, timeout_s: float = 120.0) -> int:
+    return proc.process.wait(timeout_s)
+
+
+def test_crash_between_store_commit_and_publish_republishes_the_stored_result(broker, tmp_path, media_dir):
+    """The named fault point sink.after_commit kills the sink right after a job's result is
+    committed and before it is published; the restarted sink publishes that same stored
+    result (once: the store remembers it is published)."""
+    from tests.helpers import publish, topic_results, wait_for_results
+    from mmpipe.client import make_event
+
+    pipeline = fault_pipeline(broker, tmp_path, media_dir, state_dir=tmp_path / "state",
+                              fault_points=["sink.after_commit"])
+    pipeline.start()
+    try:
+        event = make_event("text", text="stored, then the sink dies")
+        publish(pipeline.settings, [event])
+        assert _wait_exit(pipeline.process("sink")) == -9
+        stored = wait_for_results(pipeline.settings, [event.job_id])[event.job_id]
+        assert [r for r in topic_results(pipeline.settings, idle_timeout_s=1.0) if r.job_id == event.job_id] == []
+        pipeline.restart("sink")
+        marker = make_event("text", text="after the restart")
+        wait_for_results(pipeline.settings, publish(pipeline.settings, [marker]))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            on_topic = [r for r in topic_results(pipeline.settings, idle_timeout_s=1.0) if r.job_id == event.job_id]
+            if on_topic:
+                break
+    finally:
+        pipeline.stop()
+    assert [r.completed_at for r in on_topic] == [stored.completed_at]  # the stored result, once
+    assert on_topic[0].prediction == stored.prediction
+
+
+def test_a_job_that_kills_the_decode_stage_is_dead_lettered_as_crashed_stage(broker, tmp_path, media_dir):
+    """A poison job (the fault point decode.handle armed for its id) kills decode each time it
+    is handled: after poison_max_crashes crashes running alone it is dead-lettered as
+    crashed_stage, and the jobs that were in flight beside it complete."""
+    from tests.helpers import publish, wait_for_results
+    from mmpipe.client import make_event
+
+    pipeline = fault_pipeline(broker, tmp_path, media_dir, poison_max_crashes=2, partitions=1, state_dir=tmp_path / "state",
+                              fault_points=["decode.handle:poison-1"])
+    pipeline.start()
+    try:
+        events = [make_event("text", text=f"neighbour {i}") for i in range(2)]
+        events.insert(1, make_event("image", data=samples.encode_image(samples.synthetic_picture(64, 48)),
+                                    job_id="poison-1"))
+        publish(pipeline.settings, events)
+        crashes = 0
+        store = open_store(pipeline.settings.store_url)
+        while store.get_result("poison-1") is None and crashes < 5:
+            if not pipeline.process("decode").alive():
+                crashes += 1
+                pipeline.restart("decode")
+            time.sleep(0.2)
+        results = wait_for_results(pipeline.settings, [e.job_id for e in events])
+    finally:
+        pipeline.stop()
+    assert crashes == 3  # the first (with neighbours in flight), then two alone
+    assert results["poison-1"].status == "error" and results["poison-1"].error["code"] == "crashed_stage"
+    assert all(results[e.job_id].status == "ok" for e in events if e.job_id != "poison-1")
+
+
+def test_crashes_at_named_points_lose_and_double_nothing(broker, tmp_path, media_dir):
+    """A crash at each named point, once, while multi-part and single-part jobs flow: inside an
+    inference batch, between the stored parts of one job, and between a result's commit and its
+    publication. Each dead stage is restarted; every job ends once, as stored."""
+    points = ["inference.batch", "sink.between_parts", "sink.after_commit"]
+    pipeline = fault_pipeline(broker, tmp_path, media_dir, state_dir=tmp_path / "state", fault_points=points)
+    pipeline.start()
+    try:
+        run = ChaosRun(pipeline, workload(40, seed=4), bad_workload(4), rate=20)
+        report = run.run([])
+    finally:
+        pipeline.stop()
+    assert report.fault_points_fired == sorted(points)
+    assert sorted(report.kills) == ["inference-0@fault-point", "sink-0@fault-point", "sink-0@fault-point"]
+    assert_exactly_once(report)
+    assert report.statuses == {"ok": report.jobs}

@@ -115,6 +115,36 @@ def test_bad_input_goes_to_dead_letter_and_next_job_completes(shared_pipeline, m
         assert [(letter["stage"], letter["reason"]) for letter in letters] == [("decode", reason)]
 
 
+def test_hostile_media_is_refused_and_the_decode_stage_stays_up_and_small(shared_pipeline, media_dir):
+    """A few of the hostile corpus (mmpipe.harness.hostile) through the real stages: each ends
+    as a failed job with its reason, the decode process is the same one afterwards, and its
+    peak RSS and that of its decode workers stay under 1 GiB."""
+    import psutil
+
+    from mmpipe.harness import hostile
+
+    settings = shared_pipeline.settings
+    decode = shared_pipeline.process("decode")
+    corpus = {h.name: h for h in hostile.corpus()}
+    names = ["cdg-looking-png-garbage", "png-bomb-16000x16000", "wav-1hz", "avi-claiming-1e6-frames", "tty-text"]
+    events = [make_event(corpus[n].modality, data=corpus[n].data, job_id=f"hostile-{n}") for n in names]
+    playlist = media_dir / "playlist.m3u8"
+    playlist.write_bytes(hostile.hls_playlist("http://127.0.0.1:9/segment.ts"))
+    events.append(make_event("video", uri=str(playlist), job_id="hostile-hls"))
+    good = make_event("image", data=samples.encode_image(samples.synthetic_picture(64, 48)))
+    results = wait_for_results(settings, publish(settings, [*events, good]))
+    assert results[good.job_id].status == "ok"
+    for event, name in zip(events, [*names, "hls-playlist"]):
+        result = results[event.job_id]
+        assert result.status == "error" and result.error["code"] in corpus[name].reasons, (name, result.error)
+    assert results["hostile-cdg-looking-png-garbage"].error["code"] == "undecodable_media"
+    assert decode.alive()
+    process = psutil.Process(decode.process.pid)
+    for proc in [process, *process.children(recursive=True)]:
+        peak_kib = int(next(line.split()[1] for line in open(f"/proc/{proc.pid}/status") if line.startswith("VmHWM")))
+        assert peak_kib * 1024 < 1024**3, (proc.pid, proc.cmdline()[:3], peak_kib)
+
+
 def test_redelivered_job_and_duplicate_prediction_make_one_result(shared_pipeline):
     settings = shared_pipeline.settings
     event = make_event("text", text="only once, please")

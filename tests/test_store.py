@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmpipe.stages.sink.store import Final, ResultStore, StoreUnavailable, open_store
-from mmpipe.stages.sink.store.postgres import PostgresStore
+from mmpipe.stages.sink.store.postgres import POOL_MAX_SIZE, PostgresStore
 from mmpipe.stages.sink.store.sqlite import SqliteStore
 from mmpipe.schemas import DeadLetter, JobResult, ModelRef, Prediction
 from mmpipe.stages.sink.stage import assemble, failed_result
@@ -423,6 +423,40 @@ def test_any_delivery_order_gives_the_in_order_result_once(store: ResultStore, d
     assert same_content(store.get_result(job_id), assemble(parts))
 
 
+def test_a_job_id_reused_for_another_payload_is_refused_and_recorded_never_merged(store: ResultStore) -> None:
+    job_id = new_job_id()
+
+    def part(index: int, digest: str) -> Prediction:
+        p = frame(job_id, index, 2)
+        return msgspec.structs.replace(p, meta={**p.meta, "payload_digest": digest})
+
+    assert store.record_part(part(0, "video-a"), assemble) is None
+    refused = store.record_part(part(1, "video-b"), assemble)  # the other video's second frame
+    assert refused.reason == "job_id_conflict" and "video-a" in refused.detail
+    assert store.counts()["parts"] == 1 and store.get_result(job_id) is None  # not merged
+    assert [(c["kind"], c["existing"], c["incoming"]) for c in store.conflicts()] == [("job_id_conflict", "video-a", "video-b")]
+    final = store.record_part(part(1, "video-a"), assemble)  # the first video's own frame completes it
+    assert final.created and final.result.parts == 2
+
+
+def test_a_video_with_one_bad_frame_completes_with_that_frames_error(store: ResultStore) -> None:
+    job_id = new_job_id()
+    bad = msgspec.structs.replace(frame(job_id, 1, 3), status="error", output=None, error="bad_input: pixels: not finite")
+    final = store_all(store, [frame(job_id, 0, 3), bad, frame(job_id, 2, 3)])[-1]
+    assert final.result.status == "ok"
+    frames = final.result.prediction["frames"]
+    assert [f.get("label") for f in frames] == ["class-0", None, "class-2"]
+    assert frames[1] == {"frame": 1, "t_s": 0.5, "error": "bad_input: pixels: not finite"}
+
+
+def test_a_job_whose_every_part_failed_is_an_error_with_the_first_reason(store: ResultStore) -> None:
+    job_id = new_job_id()
+    parts = [msgspec.structs.replace(frame(job_id, i, 2), status="error", output=None, error="model_error: boom")
+             for i in range(2)]
+    final = store_all(store, parts)[-1]
+    assert final.result.status == "error" and final.result.error == {"code": "model_error", "message": "boom"}
+
+
 # Backends, outages, connections ------------------------------------------------------------
 def test_open_store_routes_by_url(tmp_path, postgres_url: str) -> None:
     assert isinstance(open_store(f"sqlite:///{tmp_path / 'r.db'}"), SqliteStore)
@@ -432,8 +466,13 @@ def test_open_store_routes_by_url(tmp_path, postgres_url: str) -> None:
         open_store("mysql://localhost/db")
 
 
-def test_postgres_fixture_skips_without_postgres_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_postgres_fixture_fails_without_binaries_where_postgres_is_expected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pg, "find_pg_bin", lambda: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt package `postgresql`"):
+        pg.start_server()
+    monkeypatch.delenv("CI")
+    monkeypatch.setattr(pg, "postgres_expected", lambda: False)
     with pytest.raises(pytest.skip.Exception, match="apt package `postgresql`"):
         pg.start_server()
 
@@ -469,7 +508,7 @@ def test_postgres_outage_and_recovery(own_postgres_server: PostgresServer) -> No
     store.close()
 
 
-def test_postgres_terminated_connection_is_store_unavailable_then_reconnects(postgres_server: PostgresServer) -> None:
+def test_postgres_terminated_connection_is_replaced_by_the_pool(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database()
     store = open_store(url)
     store.init_schema()
@@ -479,27 +518,24 @@ def test_postgres_terminated_connection_is_store_unavailable_then_reconnects(pos
     database = url.rsplit("/", 1)[1]
     assert postgres_server.terminate_connections(database) == 1
     wait_until(lambda: postgres_server.connections(database) == 0)
-    with pytest.raises(StoreUnavailable):
-        store.record_status(job_id, "decoding", T0 + 1)
-    store.record_status(job_id, "decoding", T0 + 1)  # a new connection
+    store.record_status(job_id, "decoding", T0 + 1)  # the pool checked the dead one and connected anew
     assert store.get_job(job_id).state == "decoding"
 
     store.close()
     wait_until(lambda: postgres_server.connections(database) == 0)  # close() released the connection
 
 
-def test_close_releases_connections_of_every_thread(postgres_server: PostgresServer) -> None:
+def test_connections_stay_within_the_pool_and_close_releases_them(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database()
     store = open_store(url)
     store.init_schema()
     database = url.rsplit("/", 1)[1]
-    with ThreadPoolExecutor(3) as pool:
-        # a barrier so that the three calls really run on three threads (alive until the end)
-        barrier = threading.Barrier(3)
-        list(pool.map(lambda _: (barrier.wait(), store.counts()), range(3)))
-        assert postgres_server.connections(database) == 4  # theirs and the main thread's
-        store.close()
-        wait_until(lambda: postgres_server.connections(database) == 0)
+    with ThreadPoolExecutor(8) as pool:
+        barrier = threading.Barrier(8)  # eight callers at once: more than the pool holds
+        list(pool.map(lambda _: (barrier.wait(), store.counts()), range(8)))
+    assert 1 <= postgres_server.connections(database) <= POOL_MAX_SIZE
+    store.close()
+    wait_until(lambda: postgres_server.connections(database) == 0)
 
 
 def test_sqlite_locked_is_store_unavailable_then_recovers(tmp_path) -> None:
@@ -525,7 +561,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_connections_of_ended_threads_are_released(postgres_server: PostgresServer) -> None:
+def test_callers_on_threads_that_come_and_go_share_one_connection(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database()
     store = open_store(url)
     store.init_schema()
@@ -534,7 +570,7 @@ def test_connections_of_ended_threads_are_released(postgres_server: PostgresServ
         worker.start()
         worker.join()
     database = url.rsplit("/", 1)[1]
-    wait_until(lambda: postgres_server.connections(database) == 1)  # only the main thread's
+    assert postgres_server.connections(database) == 1  # reused from the pool, not one per thread
     store.close()
 
 

@@ -21,6 +21,7 @@ from mmpipe.stages.decode import samples
 from mmpipe.client import Publisher, follow_results, make_event
 from mmpipe.schemas.settings import Settings
 from mmpipe.stages.sink.store import StoreUnavailable, count_results, open_store
+from mmpipe.streams.faults import fired
 from mmpipe.streams.topology import STAGE_NAMES
 from mmpipe.supervisor import Pipeline
 from mmpipe.schemas import MediaEvent, ModelRef, to_json
@@ -37,6 +38,9 @@ class ChaosReport:
     topic_records: int = 0  # records on the results topic (redeliveries included)
     topic_jobs: int = 0  # distinct job ids on the results topic
     jobs_with_conflicting_results: list[str] = field(default_factory=list)  # >1 distinct result
+    topic_differs_from_store: list[str] = field(default_factory=list)  # a topic record != the stored row
+    conflicts: int = 0  # rows in the store's conflicts table (replays that disagreed)
+    fault_points_fired: list[str] = field(default_factory=list)  # named crash points (streams/faults.py)
     missing_on_topic: list[str] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
     bad_input_reasons: dict[str, int] = field(default_factory=dict)
@@ -56,19 +60,21 @@ class ChaosReport:
 
 
 def workload(jobs: int, seed: int = 0) -> list[MediaEvent]:
-    """A mix of small real inputs: texts, inline PNG images, inline WAV speech snippets."""
+    """A mix of small real inputs: texts, inline PNG images, inline WAV snippets, and
+    multi-part jobs beside them: 2 s videos (two sampled frames and an audio track: three
+    parts, assembled from three inference answers)."""
     image = samples.encode_image(samples.synthetic_picture(96, 72, seed=seed))
     audio = samples.encode_audio(samples.tone_pcm(0.5))
+    video = samples.encode_video(seconds=2.0, width=96, height=72, fps=10, audio=samples.tone_pcm(2.0), seed=seed)
+    payloads = {"image": {"data": image}, "audio": {"data": audio}, "video": {"data": video}}
     events = []
     for i in range(jobs):
-        kind = ("text", "image", "text", "audio")[i % 4]
+        kind = ("text", "image", "video", "text", "audio")[i % 5]
         job_id = f"chaos-{seed}-{i:06d}"
         if kind == "text":
             events.append(make_event("text", text=f"fault run sentence number {i}", job_id=job_id))
-        elif kind == "image":
-            events.append(make_event("image", data=image, job_id=job_id))
         else:
-            events.append(make_event("audio", data=audio, job_id=job_id))
+            events.append(make_event(kind, job_id=job_id, **payloads[kind]))
     return events
 
 
@@ -122,9 +128,17 @@ class ChaosRun:
         target = int(fraction * (len(self.events) + len(self.bad)))
         deadline = time.monotonic() + timeout_s
         while self.stored() < target:
+            self.restart_crashed()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {self.stored()} of {target} results after {timeout_s}s")
             time.sleep(0.25)
+
+    def restart_crashed(self) -> None:
+        """Restart every stage process a fault point killed (SIGKILL by itself)."""
+        for proc in list(self.pipeline.processes):
+            if not proc.alive() and proc.process.returncode == -signal.SIGKILL:
+                self.report.kills.append(f"{proc.name}@fault-point")
+                self.pipeline.restart(proc.stage, proc.index)
 
     def kill_and_restart(self, stage: str, index: int = 0) -> None:
         self.pipeline.kill(stage, index, signal.SIGKILL)
@@ -153,6 +167,7 @@ class ChaosRun:
         except TimeoutError:
             pass  # counted as missing below
         self.report.duration_s = round(time.monotonic() - started, 1)
+        self.report.fault_points_fired = fired(self.settings)
         self._verify()
         return self.report
 
@@ -161,6 +176,7 @@ class ChaosRun:
         try:
             results = {r.job_id: r for r in store.iter_results()}
             self.report.stored_results = len(results)
+            self.report.conflicts = len(store.conflicts())
         finally:
             store.close()
         good_ids = [e.job_id for e in self.events]
@@ -177,6 +193,9 @@ class ChaosRun:
         self.report.topic_records = len(records)
         self.report.topic_jobs = len(by_job)
         self.report.jobs_with_conflicting_results = sorted(j for j, bodies in by_job.items() if len(bodies) > 1)
+        self.report.topic_differs_from_store = sorted(
+            j for j, bodies in by_job.items() if j in results and bodies != {to_json(results[j])}
+        )
         self.report.missing_on_topic = [j for j in good_ids + bad_ids if j not in by_job]
 
 
@@ -192,7 +211,10 @@ def kill_every_stage_plan(run: ChaosRun) -> list[tuple[float, Callable[[], None]
 
 def run_chaos(settings: Settings, workdir: Path, jobs: int, bad: int, rate: float,
               embedded_broker: bool = True) -> ChaosReport:
-    """The README's fault run: kill every stage in turn, then scale inference out and back in."""
+    """The README's fault run: kill every stage in turn, then scale inference out and back in
+    (and crash once at each named point in settings.fault_points, armed anew for this run)."""
+    for marker in settings.state_path("faults").glob("*.fired"):
+        marker.unlink()
     pipeline = Pipeline(settings, workdir=workdir, embedded_broker=embedded_broker)
     pipeline.start()
     try:

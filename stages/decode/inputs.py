@@ -1,6 +1,6 @@
 """Reading a job's payload: inline bytes or text, or a URI to a file under an allowed root.
 
-Rules (each refusal is an InputError with a reason the dead-letter record carries):
+Rules (each refusal is an InputError, a Refused, with a reason the dead-letter record carries):
 * inline payloads and files larger than max_payload_bytes are refused before being read whole;
 * a URI may only name a regular file under one of the configured input roots, after resolving
   `..` and symlinks (no traversal, no symlink escape);
@@ -13,15 +13,12 @@ import asyncio
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from mmpipe.schemas import Payload, Refused
 from mmpipe.schemas.settings import Settings
-from mmpipe.schemas import Payload
 
 
-class InputError(ValueError):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+class InputError(Refused):
+    """A payload refused by the input rules (size, roots, URI schemes)."""
 
 
 def check_size(size: int, settings: Settings, what: str) -> None:

@@ -2,13 +2,25 @@
 rate, video to sampled RGB frames plus its audio track.
 
 Pure functions of (source, limits) -> arrays, so they are tested and fuzzed without Kafka.
-Every failure is a MediaError with a reason; nothing here raises anything else for bad bytes.
+Every failure is a MediaError (a Refused) with a reason; nothing here raises anything else for
+bad bytes. The input is untrusted, so before any decoding:
+
+* the container must be one of its modality's allowlist, recognised by its magic bytes and
+  opened with that demuxer named (no probing of every demuxer FFmpeg has: 130 bytes of junk
+  are not "CD+G graphics"), and the demuxer FFmpeg used must be the one named;
+* FFmpeg may open nothing but the input itself (protocol_whitelist file,pipe: an HLS playlist
+  or a concat list cannot make it fetch URLs or other files);
+* every stream's codec must be on the allowlist, and what the headers declare (frame size,
+  frame count, duration, sample rate, channels) within the limits; the codec's own max_pixels
+  check stops a frame buffer larger than the limit from ever being allocated.
+Headers can lie in the other direction, so the same limits are checked again while decoding.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +28,17 @@ from pathlib import Path
 import av
 import numpy as np
 
-MAX_PIXELS = 40_000_000  # refuse decompression bombs before converting a frame
+from mmpipe.schemas.errors import Refused
+
+MAX_PIXELS = 40_000_000  # per frame: refuse decompression bombs before a buffer is allocated
+MIN_SAMPLE_RATE = 1_000  # a 1 Hz "WAV" resampled to 16 kHz would be a 16000x sample bomb
+MAX_SAMPLE_RATE = 384_000
+MAX_CHANNELS = 32
+HEAD_BYTES = 192  # enough for every signature below (two MPEG-TS sync bytes)
 
 
-class MediaError(ValueError):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+class MediaError(Refused):
+    """Media refused: not an allowed format, over a limit, or undecodable."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,9 @@ class DecodeLimits:
     audio_max_seconds: float = 600.0
     video_sample_fps: float = 1.0
     video_max_frames: int = 16
+    video_max_seconds: float = 600.0
+    video_max_source_frames: int = 36_000  # frames the codec may decode (10 min at 60 fps)
+    max_pixels: int = MAX_PIXELS
     threads: int = 1  # codec threads per decode
 
 
@@ -56,35 +74,192 @@ class DecodedMedia:
 Source = bytes | str | Path
 
 
-# Inline bytes have no file name, so FFmpeg probes every demuxer over the buffer; for a JPEG
-# that probe goes on through the whole file (about 10 ms for an 80 KB 640x480 JPEG, ten times
-# its decode). A file path is hinted by its extension instead. Known signatures get their
-# demuxer named; anything else, or a hint that fails to open, gets the full probe as before.
-_SIGNATURES = ((b"\xff\xd8\xff", "jpeg_pipe"),)
+# Allowlists ------------------------------------------------------------------------------
+MP4 = "mov,mp4,m4a,3gp,3g2,mj2"  # one FFmpeg demuxer reads MP4, MOV and M4A
+MKV = "matroska,webm"
 
 
-def _sniff(data: bytes) -> str | None:
-    return next((fmt for magic, fmt in _SIGNATURES if data.startswith(magic)), None)
+def _riff(kind: bytes):  # noqa: ANN202 - a signature predicate
+    return lambda head: head[:4] == b"RIFF" and head[8:12] == kind
 
 
-def _open(source: Source) -> av.container.InputContainer:
+def _mpeg_audio_sync(head: bytes) -> bool:
+    return len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06 != 0
+
+
+def _adts_sync(head: bytes) -> bool:
+    return len(head) > 1 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0
+
+
+def _mpegts(head: bytes) -> bool:
+    # a sync byte opens every 188-byte packet
+    return head[:1] == b"G" and (len(head) <= 188 or head[188:189] == b"G")
+
+
+# (matches the first bytes, FFmpeg demuxer to open with, what to call it), most specific first.
+SIGNATURES = (
+    (lambda h: h.startswith(b"\x89PNG\r\n\x1a\n"), "png_pipe", "PNG"),
+    (lambda h: h.startswith(b"\xff\xd8\xff"), "jpeg_pipe", "JPEG"),
+    (_riff(b"WEBP"), "webp_pipe", "WebP"),
+    (lambda h: h[:2] == b"BM" and len(h) >= 26, "bmp_pipe", "BMP"),
+    (lambda h: h[:6] in (b"GIF87a", b"GIF89a"), "gif", "GIF"),
+    (lambda h: h[:4] in (b"II*\x00", b"MM\x00*"), "tiff_pipe", "TIFF"),
+    (_riff(b"WAVE"), "wav", "WAV"),
+    (lambda h: h.startswith(b"fLaC"), "flac", "FLAC"),
+    (lambda h: h.startswith(b"OggS"), "ogg", "Ogg"),
+    (lambda h: h[4:8] == b"ftyp" or h[4:8] in (b"moov", b"mdat", b"wide", b"free"), MP4, "MP4/MOV/M4A"),
+    (lambda h: h.startswith(b"\x1a\x45\xdf\xa3"), MKV, "Matroska/WebM"),
+    (_riff(b"AVI "), "avi", "AVI"),
+    (lambda h: h.startswith(b"ID3"), "mp3", "MP3"),
+    (_adts_sync, "aac", "AAC (ADTS)"),
+    (_mpeg_audio_sync, "mp3", "MP3"),
+    (_mpegts, "mpegts", "MPEG-TS"),
+)
+
+ALLOWED_FORMATS = {
+    "image": {"png_pipe", "jpeg_pipe", "webp_pipe", "bmp_pipe", "gif", "tiff_pipe"},
+    "audio": {"wav", "flac", "ogg", MP4, "mp3", "aac"},
+    "video": {MP4, MKV, "avi", "mpegts"},
+}
+_AUDIO_CODECS = {"flac", "mp3", "vorbis", "opus", "aac", "alac"}  # and every pcm_* codec
+ALLOWED_CODECS = {
+    "image": {"png", "mjpeg", "webp", "bmp", "gif", "tiff"},
+    "audio": _AUDIO_CODECS,
+    "video": {"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mpeg1video", "mjpeg"},
+}
+# Not allowed anywhere, but worth naming in a refusal.
+KNOWN_OTHERS = (
+    (b"#EXTM3U", "an HLS/M3U playlist"),
+    (b"ffconcat", "an FFmpeg concat list"),
+    (b"<?xml", "an XML document (DASH manifest?)"),
+    (b"%PDF", "a PDF document"),
+    (b"PK\x03\x04", "a ZIP archive"),
+)
+
+
+def sniff(head: bytes) -> tuple[str, str] | None:
+    """(FFmpeg demuxer, format label) for the first bytes of a file, or None."""
+    return next(((fmt, label) for match, fmt, label in SIGNATURES if match(head)), None)
+
+
+def looks_like(head: bytes) -> str:
+    """What a refused input looked like, for the dead-letter detail."""
+    found = sniff(head)
+    if found is not None:
+        return found[1]
+    known = next((what for magic, what in KNOWN_OTHERS if head.startswith(magic)), None)
+    if known is not None:
+        return known
+    if head and all(32 <= b < 127 or b in b"\r\n\t\x1b" for b in head):
+        return "text"
+    return f"no known format (first bytes {head[:16]!r})"
+
+
+def _head(source: Source) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source[:HEAD_BYTES])
+    with open(source, "rb") as f:
+        return f.read(HEAD_BYTES)
+
+
+def _open(source: Source, modality: str, limits: DecodeLimits) -> av.container.InputContainer:
+    """Open an allowed container with its demuxer named; anything else is undecodable_media."""
     try:
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            if len(source) == 0:
-                raise MediaError("empty_payload", "payload has no bytes")
-            data = bytes(source)
-            hint = _sniff(data)
-            if hint is not None:
-                try:
-                    return av.open(io.BytesIO(data), mode="r", format=hint)
-                except av.error.FFmpegError:
-                    pass  # not what it looked like: let FFmpeg probe
-            return av.open(io.BytesIO(data), mode="r")
-        return av.open(str(source), mode="r")
+        if isinstance(source, (bytes, bytearray, memoryview)) and len(source) == 0:
+            raise MediaError("empty_payload", "payload has no bytes")
+        head = _head(source)
+        found = sniff(head)
+        if found is None or found[0] not in ALLOWED_FORMATS[modality]:
+            raise MediaError(
+                "undecodable_media",
+                f"not an allowed {modality} format: it looks like {looks_like(head)}",
+            )
+        demuxer, label = found
+        options = {"protocol_whitelist": "file,pipe", "max_pixels": str(limits.max_pixels)}
+        file = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview)) else str(source)
+        container = av.open(file, mode="r", format=demuxer, options=options)
     except MediaError:
         raise
     except (av.error.FFmpegError, OSError, ValueError, UnicodeDecodeError) as exc:
-        raise MediaError("undecodable_media", f"container could not be opened: {exc}") from None
+        raise MediaError("undecodable_media", f"{modality} container could not be opened: {exc}") from None
+    if container.format.name != demuxer:  # belt and braces: FFmpeg used what we named
+        container.close()
+        raise MediaError("undecodable_media", f"FFmpeg read it as {container.format.name}, not {label}")
+    return container
+
+
+def _checked_codec(stream: av.stream.Stream, modality: str) -> None:
+    if stream.codec_context is None:  # a codec FFmpeg does not know
+        raise MediaError("undecodable_media", f"{stream.type} stream of an unknown codec")
+    name = stream.codec_context.codec.canonical_name
+    allowed = ALLOWED_CODECS[modality]
+    if name not in allowed and not (modality == "audio" and name.startswith("pcm_")):
+        raise MediaError("undecodable_media", f"{stream.type} codec {name} is not allowed for {modality}")
+
+
+def _declared_image_size(source: Source) -> tuple[int, int]:
+    """The size an image header declares, read by Pillow without decoding any pixels."""
+    from PIL import Image
+
+    file = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview)) else source
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(file) as image:
+                return image.size
+    except Image.DecompressionBombError:
+        return (2**31, 2**31)  # over any limit
+    except Exception:  # any unreadable header: no size
+        return (0, 0)
+
+
+def _checked_video_stream(container: av.container.InputContainer, source: Source, modality: str,
+                          limits: DecodeLimits) -> av.video.stream.VideoStream:
+    if not container.streams.video:
+        raise MediaError("undecodable_media", f"no {modality} stream found")
+    stream = container.streams.video[0]
+    _checked_codec(stream, modality)
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height == 0:
+        # With max_pixels set, FFmpeg leaves the size unset for a frame over the limit (and
+        # for one it could not read at all): ask the header which it was, for the reason.
+        width, height = _declared_image_size(source) if modality == "image" else (0, 0)
+        if width * height <= limits.max_pixels:
+            raise MediaError("undecodable_media", f"no readable frame size in the {modality} header")
+    if width * height > limits.max_pixels:
+        raise MediaError("image_too_large", f"{width}x{height} exceeds {limits.max_pixels} pixels")
+    stream.codec_context.options = {"max_pixels": str(limits.max_pixels)}
+    return stream
+
+
+def _declared_seconds(container: av.container.InputContainer, stream: av.stream.Stream) -> float:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    return container.duration / av.time_base if container.duration else 0.0
+
+
+def _check_video_length(container: av.container.InputContainer, stream: av.video.stream.VideoStream, limits: DecodeLimits) -> None:
+    seconds = _declared_seconds(container, stream)
+    if stream.frames > limits.video_max_source_frames or seconds > limits.video_max_seconds:
+        raise MediaError(
+            "video_too_long",
+            f"the header declares {stream.frames} frames / {seconds:.0f} s; the limits are "
+            f"{limits.video_max_source_frames} frames and {limits.video_max_seconds:.0f} s",
+        )
+
+
+def _checked_audio_stream(container: av.container.InputContainer, limits: DecodeLimits) -> av.audio.stream.AudioStream:
+    stream = container.streams.audio[0]
+    _checked_codec(stream, "audio")
+    rate, channels = stream.codec_context.sample_rate, stream.codec_context.channels
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise MediaError("unsupported_sample_rate", f"{rate} Hz is outside {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise MediaError("undecodable_media", f"{channels} audio channels (at most {MAX_CHANNELS})")
+    seconds = _declared_seconds(container, stream)
+    if seconds > limits.audio_max_seconds:
+        raise MediaError("audio_too_long", f"the header declares {seconds:.0f} s; the limit is {limits.audio_max_seconds:.0f} s")
+    return stream
 
 
 def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, int]:
@@ -95,21 +270,19 @@ def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, 
     return max(2, round(width * scale / 2) * 2), max(2, round(height * scale / 2) * 2)
 
 
-def _to_rgb(frame: av.VideoFrame, short_side: int | None) -> np.ndarray:
-    if frame.width * frame.height > MAX_PIXELS:
-        raise MediaError("image_too_large", f"{frame.width}x{frame.height} exceeds {MAX_PIXELS} pixels")
-    width, height = _scaled_size(frame.width, frame.height, short_side)
+def _to_rgb(frame: av.VideoFrame, limits: DecodeLimits) -> np.ndarray:
+    if frame.width * frame.height > limits.max_pixels:
+        raise MediaError("image_too_large", f"{frame.width}x{frame.height} exceeds {limits.max_pixels} pixels")
+    width, height = _scaled_size(frame.width, frame.height, limits.image_short_side)
     # One swscale pass converts YUV->RGB and downscales (bilinear, area-ish for shrink).
     return frame.to_ndarray(width=width, height=height, format="rgb24", interpolation="AREA")
 
 
 def decode_image(source: Source, limits: DecodeLimits) -> DecodedMedia:
-    with _guard(), _open(source) as container:
-        if not container.streams.video:
-            raise MediaError("undecodable_media", "no image stream found")
-        stream = container.streams.video[0]
+    with _guard(), _open(source, "image", limits) as container:
+        stream = _checked_video_stream(container, source, "image", limits)
         for frame in container.decode(stream):
-            rgb = _to_rgb(frame, limits.image_short_side)
+            rgb = _to_rgb(frame, limits)
             return DecodedMedia(
                 frames=[DecodedFrame(0, 0.0, rgb)], width=frame.width, height=frame.height, frames_decoded=1
             )
@@ -117,10 +290,10 @@ def decode_image(source: Source, limits: DecodeLimits) -> DecodedMedia:
 
 
 def decode_audio(source: Source, limits: DecodeLimits) -> DecodedMedia:
-    with _guard(), _open(source) as container:
+    with _guard(), _open(source, "audio", limits) as container:
         if not container.streams.audio:
             raise MediaError("undecodable_media", "no audio stream found")
-        pcm = _decode_audio_stream(container, container.streams.audio[0], limits)
+        pcm = _decode_audio_stream(container, _checked_audio_stream(container, limits), limits)
         return DecodedMedia(pcm=pcm, duration_s=pcm.size / limits.audio_sample_rate)
 
 
@@ -128,13 +301,12 @@ def decode_video(source: Source, limits: DecodeLimits) -> DecodedMedia:
     """Sampled frames (every 1/video_sample_fps seconds, at most video_max_frames) and the
     audio track. Every video packet is decoded (inter-frame codecs need it), but only sampled
     frames pay for the RGB conversion."""
-    with _guard(), _open(source) as container:
-        if not container.streams.video:
-            raise MediaError("undecodable_media", "no video stream found")
-        video = container.streams.video[0]
+    with _guard(), _open(source, "video", limits) as container:
+        video = _checked_video_stream(container, source, "video", limits)
+        _check_video_length(container, video, limits)
         video.thread_type = "AUTO" if limits.threads != 1 else "SLICE"
         video.codec_context.thread_count = limits.threads
-        audio = container.streams.audio[0] if container.streams.audio else None
+        audio = _checked_audio_stream(container, limits) if container.streams.audio else None
         result = DecodedMedia(width=video.codec_context.width, height=video.codec_context.height)
         resampler = _resampler(limits) if audio is not None else None
         chunks: list[np.ndarray] = []
@@ -147,9 +319,11 @@ def decode_video(source: Source, limits: DecodeLimits) -> DecodedMedia:
             if packet.stream is video:
                 for frame in packet.decode():
                     result.frames_decoded += 1
+                    if result.frames_decoded > limits.video_max_source_frames:
+                        raise MediaError("video_too_long", f"more than {limits.video_max_source_frames} frames")
                     t = _frame_time(frame, result.frames_decoded, video)
                     if len(result.frames) < limits.video_max_frames and t + 1e-6 >= next_sample_t:
-                        result.frames.append(DecodedFrame(len(result.frames), round(t, 3), _to_rgb(frame, limits.image_short_side)))
+                        result.frames.append(DecodedFrame(len(result.frames), round(t, 3), _to_rgb(frame, limits)))
                         next_sample_t = (math.floor(t / interval + 1e-6) + 1) * interval
             elif resampler is not None and sampled_samples < max_samples:
                 for frame in packet.decode():
@@ -211,6 +385,8 @@ class _guard:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
         if exc is None or isinstance(exc, MediaError):
             return False
+        if isinstance(exc, MemoryError):  # FFmpeg's ENOMEM too: the worker's memory limit
+            raise MediaError("decode_out_of_memory", f"{type(exc).__name__}: {exc}") from None
         if isinstance(exc, (av.error.FFmpegError, OSError, ValueError, IndexError, KeyError, TypeError, EOFError, RuntimeError)):
             raise MediaError("undecodable_media", f"{type(exc).__name__}: {exc}") from None
         return False
@@ -231,3 +407,11 @@ def windows(pcm: np.ndarray, sample_rate: int, window_s: float | None) -> Iterat
     step = int(window_s * sample_rate)
     for start in range(0, max(pcm.size, 1), step):
         yield start / sample_rate, pcm[start : start + step]
+
+
+DECODERS = {"image": decode_image, "audio": decode_audio, "video": decode_video}
+
+
+def decode_media(modality: str, source: Source, limits: DecodeLimits) -> DecodedMedia:
+    """The decoder of a media modality (image, audio, video)."""
+    return DECODERS[modality](source, limits)

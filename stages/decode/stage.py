@@ -1,7 +1,8 @@
 """Decode stage (CPU): events -> decoded.
 
 Validates the event, resolves the model, reads the payload (inline or a local file under the
-allowed input roots), decodes it with PyAV on a worker thread and emits one work item per part:
+allowed input roots), decodes it with PyAV in an isolated worker process (isolation.py: an
+address-space limit and a time budget per decode) and emits one work item per part:
 an image is one part, audio one part per window, a video one part per sampled frame plus its
 audio windows, a text one part. Bad input goes to the dead-letter topic with a reason; a job
 whose deadline already passed is answered as expired without being decoded.
@@ -15,12 +16,14 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mmpipe.stages.decode.inputs import InputError, read_payload
-from mmpipe.stages.decode.media import DecodedMedia, DecodeLimits, MediaError, decode_audio, decode_image, decode_text, decode_video, windows
+from mmpipe.stages.decode.inputs import read_payload
+from mmpipe.stages.decode.isolation import DecodePool
+from mmpipe.stages.decode.media import DecodedMedia, DecodeLimits, decode_text, windows
 from mmpipe.models.base import ModelError, ModelSpec
 from mmpipe.models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
-from mmpipe.schemas import BadMessage, MediaEvent, WorkItem, decode_event, encode_work_item
+from mmpipe.schemas import MediaEvent, Refused, WorkItem, decode_event, encode_work_item, payload_digest
 from mmpipe.schemas.settings import Settings
+from mmpipe.streams.faults import crash_point
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
@@ -33,19 +36,16 @@ class DecodeStage(Stage):
         self.sheds_load = settings.admission_policy == "reject"  # the pipeline's admission point
 
     def setup(self) -> None:
-        self._pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="decode")
+        self._texts = ThreadPoolExecutor(1, thread_name_prefix="decode-text")  # file reads only
+        self._pool = DecodePool(
+            self.settings.decode_workers, self.settings.decode_memory_limit_bytes, self.settings.decode_timeout_s
+        )
+        self._pool.warm_up(DecodeLimits(video_max_frames=1))
         all_specs()  # import the model specs (torch, torchvision) now, not on the first job
-        self._warm_up()
-
-    def _warm_up(self) -> None:
-        """Decode a tiny clip once so codec and swscale set-up is not billed to the first job."""
-        from mmpipe.stages.decode import samples
-
-        clip = samples.encode_video(seconds=1.0, width=64, height=48, audio=samples.tone_pcm(1.0))
-        decode_video(clip, DecodeLimits(video_max_frames=1))
 
     async def stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._texts.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
         event = decode_event(message.value)
@@ -59,10 +59,9 @@ class DecodeStage(Stage):
             detail = (f"overloaded: {self.backlog} jobs wait for decode (max_backlog "
                       f"{self.settings.max_backlog}) and the next stage is full; retry later")
             return [self._answer(event, "rejected", started, detail)]
-        payload = await self._read(event)
-        media = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._decode, event, payload, frame_spec
-        )
+        payload = await read_payload(event.payload, self.settings)
+        crash_point(self.settings, "decode.handle", event.job_id)
+        media = await self._decode(event, payload, frame_spec)
         items = self._items(event, media, frame_spec, deadline, started)
         self.metrics.observe_service("decode", time.time() - started)
         key = event.job_id.encode()
@@ -75,15 +74,9 @@ class DecodeStage(Stage):
         try:
             return resolve(event.model, event.modality)
         except ModelError as exc:
-            raise BadMessage("unknown_model", str(exc)) from None
+            raise Refused("unknown_model", str(exc)) from None
 
-    async def _read(self, event: MediaEvent) -> Any:
-        try:
-            return await read_payload(event.payload, self.settings)
-        except InputError as exc:
-            raise BadMessage(exc.reason, exc.detail) from None
-
-    def _decode(self, event: MediaEvent, payload: Any, spec: ModelSpec) -> DecodedMedia | str:
+    async def _decode(self, event: MediaEvent, payload: Any, spec: ModelSpec) -> DecodedMedia | str:
         hints = spec.config.decode
         audio_spec = get_spec(DEFAULTS["audio"])
         limits = DecodeLimits(
@@ -92,23 +85,24 @@ class DecodeStage(Stage):
             audio_max_seconds=self.settings.audio_max_seconds,
             video_sample_fps=self.settings.video_sample_fps,
             video_max_frames=self.settings.video_max_frames,
+            video_max_seconds=self.settings.video_max_seconds,
+            video_max_source_frames=self.settings.video_max_source_frames,
             threads=self.settings.decode_threads,
         )
-        try:
-            if event.modality == "text":
-                if isinstance(payload, str):
-                    return payload
-                return decode_text(payload.read_bytes() if isinstance(payload, Path) else payload)
-            decoder = {"image": decode_image, "audio": decode_audio, "video": decode_video}[event.modality]
-            return decoder(payload, limits)
-        except MediaError as exc:
-            raise BadMessage(exc.reason, exc.detail) from None
+        if event.modality != "text":
+            return await self._pool.decode(event.modality, payload, limits)
+        if isinstance(payload, str):
+            return payload
+        if isinstance(payload, Path):
+            payload = await asyncio.get_running_loop().run_in_executor(self._texts, payload.read_bytes)
+        return decode_text(payload)
 
     def _items(
         self, event: MediaEvent, media: DecodedMedia | str, spec: ModelSpec, deadline: float, started: float
     ) -> list[WorkItem]:
         now = time.time()
         trace = {"created": event.created_at, "decode_in": started, "decode_out": now}
+        digest = payload_digest(event)
         parts: list[tuple[str, ModelSpec, dict, dict]] = []
         if isinstance(media, str):
             parts.append(("text", spec, {}, {"text": media}))
@@ -124,7 +118,7 @@ class DecodeStage(Stage):
                     meta = {"offset_s": offset_s, "sample_rate": rate}
                     parts.append(("audio", audio_spec, {"pcm": chunk}, meta))
             if event.modality == "audio" and not parts:
-                raise BadMessage("undecodable_media", "audio decoded to zero samples")
+                raise Refused("undecodable_media", "audio decoded to zero samples")
         return [
             WorkItem(
                 job_id=event.job_id,
@@ -136,7 +130,7 @@ class DecodeStage(Stage):
                 created_at=event.created_at,
                 deadline=deadline,
                 trace=dict(trace),
-                meta=meta,
+                meta={**meta, "payload_digest": digest},
                 tensors=tensors,
             )
             for index, (kind, part_spec, tensors, meta) in enumerate(parts)

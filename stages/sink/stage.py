@@ -9,6 +9,7 @@ The `results` topic is keyed by job_id and compacted, so it converges to one rec
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -18,13 +19,17 @@ from mmpipe.schemas import (
     DeadLetter,
     JobResult,
     Prediction,
+    Refused,
     Timings,
     decode_dead_letter,
     decode_prediction,
     decode_status,
     to_json,
 )
+from mmpipe.streams.faults import crash_point
 from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage
+
+log = logging.getLogger(__name__)
 
 MERGE_GAP_S = 0.05  # speech segments split only by an audio window boundary are joined
 GROUP_COMMIT_MAX = 256  # store calls per transaction
@@ -57,10 +62,15 @@ class SinkStage(Stage):
             prediction = decode_prediction(message.value)
             prediction.trace["sink_in"] = sink_in
             final = await self._call(self.store.record_part, prediction, assemble)
+            if isinstance(final, Refused):  # a job ID reused for another payload
+                raise final
+            if final is None and prediction.parts > 1:
+                crash_point(self.settings, "sink.between_parts", prediction.job_id)  # a part stored, not all
         self.metrics.observe_service("sink", time.time() - sink_in)
         if final is None or (final.published and not final.created):
             return []
         if final.created:
+            crash_point(self.settings, "sink.after_commit", final.result.job_id)  # stored, not published
             result = final.result
             self.metrics.end_to_end.labels(result.modality, result.status).observe(result.timings.end_to_end_ms / 1000)
         return [Outgoing(self.topics.results, final.result.job_id.encode(), to_json(final.result))]
@@ -72,8 +82,9 @@ class SinkStage(Stage):
 
     async def _dead_letter(self, letter: DeadLetter, sink_in: float) -> Final | None:
         await self._call(self.store.record_dead_letter, letter)
-        if letter.job_id.startswith("unknown:"):
-            return None  # no job to answer: the dead-letter row is the whole record
+        if letter.job_id.startswith("unknown:") or letter.reason == "job_id_conflict":
+            # No job to answer, or one that is another's: the dead-letter row is the record.
+            return None
         return await self._call(self.store.record_result, failed_result(letter, sink_in))
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -86,7 +97,11 @@ class SinkStage(Stage):
         if isinstance(outcome, StoreUnavailable):
             raise DependencyUnavailable(str(outcome)) from outcome
         if isinstance(outcome, Exception):
-            raise outcome
+            # No store error is the message's fault (bad messages are refused before the store
+            # sees them): an error nobody classified is waited out like an outage, loudly, and
+            # never turned into a dead letter that would fail a good prediction for good.
+            log.error("store call %s failed with an unclassified error; retrying", fn.__name__, exc_info=outcome)
+            raise DependencyUnavailable(f"unclassified store error: {type(outcome).__name__}: {outcome}") from outcome
         return outcome
 
     async def _flush(self) -> None:
@@ -131,6 +146,9 @@ def assemble(parts: list[Prediction]) -> JobResult:
         code = "deadline_exceeded" if first_unanswered.status == "expired" else "overloaded"
         error = {"code": code, "message": first_unanswered.error or ""}
         return JobResult(status=first_unanswered.status, prediction=None, error=error, **common)
+    if all(p.status == "error" for p in parts):  # no part to show: the job failed
+        code, _, message = (parts[0].error or "").partition(": ")
+        return JobResult(status="error", prediction=None, error={"code": code, "message": message}, **common)
     return JobResult(status="ok", prediction=_prediction(first.modality, parts), **common)
 
 
@@ -138,7 +156,7 @@ def _prediction(modality: str, parts: list[Prediction]) -> Any:
     if modality in ("image", "text"):
         return parts[0].output
     frames = [
-        {"frame": p.meta.get("frame"), "t_s": p.meta.get("t_s"), **p.output}
+        {"frame": p.meta.get("frame"), "t_s": p.meta.get("t_s"), **(p.output if p.status == "ok" else {"error": p.error})}
         for p in sorted(parts, key=lambda p: p.part)
         if p.kind == "image"
     ]
@@ -153,7 +171,8 @@ def merge_speech(parts: list[Prediction]) -> dict[str, Any]:
     """Join per-window VAD outputs into one timeline (offsets added, boundary splits merged)."""
     segments: list[dict[str, float]] = []
     duration = 0.0
-    for part in sorted(parts, key=lambda p: p.meta.get("offset_s", 0.0)):
+    failed = [p for p in parts if p.status == "error"]
+    for part in sorted((p for p in parts if p.status == "ok"), key=lambda p: p.meta.get("offset_s", 0.0)):
         offset = float(part.meta.get("offset_s", 0.0))
         duration = max(duration, offset + float(part.output.get("duration_s", 0.0)))
         for seg in part.output.get("segments", []):
@@ -163,7 +182,10 @@ def merge_speech(parts: list[Prediction]) -> dict[str, Any]:
             else:
                 segments.append({"start_s": start, "end_s": end})
     speech = sum(s["end_s"] - s["start_s"] for s in segments)
-    return {"segments": segments, "duration_s": round(duration, 3), "speech_s": round(speech, 3)}
+    merged: dict[str, Any] = {"segments": segments, "duration_s": round(duration, 3), "speech_s": round(speech, 3)}
+    if failed:  # windows that failed on their own, beside the others' segments
+        merged["failed_windows"] = [{"offset_s": p.meta.get("offset_s"), "error": p.error} for p in failed]
+    return merged
 
 
 def timings_from_trace(trace: dict[str, float], created: float, completed: float, batch_size: int = 0) -> Timings:

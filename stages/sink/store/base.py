@@ -3,7 +3,9 @@
 The contract every backend keeps (SQLite embedded default, PostgreSQL in production):
 
 * parts: first write wins. A redelivered part with the same model is a no-op; one from a
-  different model version is recorded in `conflicts` and does not replace the first.
+  different model version is recorded in `conflicts` and does not replace the first. A part
+  of another job reusing the job ID (another payload digest) is recorded in `conflicts` and
+  refused as job_id_conflict, never merged.
 * results: one row per job_id. The sink assembles it from the parts inside the same
   transaction that stores the last part, so two sinks racing on one job still make one row.
   Once a result exists it never changes; later arrivals get the stored row back (to re-publish
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mmpipe.schemas import DeadLetter, JobResult, Prediction, decode_prediction, decode_result, to_json
+from mmpipe.schemas import DeadLetter, JobResult, Prediction, Refused, decode_prediction, decode_result, to_json
 
 STATE_RANK = {
     "accepted": 0,
@@ -76,9 +78,11 @@ class ResultStore(abc.ABC):
     def record_status(self, job_id: str, state: str, at: float) -> None: ...
 
     @abc.abstractmethod
-    def record_part(self, prediction: Prediction, assemble: Assemble) -> Final | None:
+    def record_part(self, prediction: Prediction, assemble: Assemble) -> Final | Refused | None:
         """Store one part; if it completes the job, store and return the job's result.
-        If the job already has a result, return that (created=False)."""
+        If the job already has a result, return that (created=False). A part of another job
+        under the same ID (another payload digest) is recorded as a conflict and returned as
+        a Refused (job_id_conflict), never stored."""
 
     @abc.abstractmethod
     def record_result(self, result: JobResult) -> Final:

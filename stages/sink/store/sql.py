@@ -24,7 +24,7 @@ from mmpipe.stages.sink.store.base import (
     part_body,
     result_body,
 )
-from mmpipe.schemas import DeadLetter, JobResult, Prediction
+from mmpipe.schemas import DeadLetter, JobResult, Prediction, Refused
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS jobs (
@@ -72,6 +72,10 @@ SCHEMA = [
         failed_at DOUBLE PRECISION NOT NULL,
         PRIMARY KEY (source_topic, source_partition, source_offset))""",
 ]
+
+class JobIdConflict(Refused):
+    """A job ID reused for a different payload: refused, recorded in `conflicts`."""
+
 
 SCHEMA_LOCK = "mmpipe schema"  # a lock key no job_id can equal (job ids have no spaces)
 
@@ -198,8 +202,11 @@ class SqlStore(ResultStore):
             )
 
     # Parts and results ----------------------------------------------------------------------
-    def record_part(self, prediction: Prediction, assemble: Assemble) -> Final | None:
+    def record_part(self, prediction: Prediction, assemble: Assemble) -> Final | JobIdConflict | None:
         with self._transaction(lock_key=prediction.job_id) as cur:
+            conflict = self._other_job(cur, prediction)
+            if conflict is not None:
+                return conflict  # returned, not raised: the conflict row must be committed
             existing = self._stored_result(cur, prediction.job_id)
             if existing is not None:
                 result, published = existing
@@ -226,6 +233,24 @@ class SqlStore(ResultStore):
             if len(parts) < prediction.parts:
                 return None
             return self._finalize(cur, parts, assemble)
+
+    def _other_job(self, cur: Any, prediction: Prediction) -> JobIdConflict | None:
+        """A part of another job that reuses this job's ID (a different payload digest) is
+        recorded as a conflict and refused, never merged with this job's parts."""
+        incoming = prediction.meta.get("payload_digest")
+        if incoming is None:  # answered without work (expired, rejected): nothing to compare
+            return None
+        # Parts of one job share one digest (other jobs' parts are never stored): one will do.
+        cur.execute(self._q("SELECT body FROM parts WHERE job_id = ? ORDER BY part LIMIT 1"), (prediction.job_id,))
+        row = cur.fetchone()
+        existing = None if row is None else load_part(row[0]).meta.get("payload_digest")
+        if existing is None or existing == incoming:
+            return None
+        self._conflict(cur, prediction.job_id, "job_id_conflict", existing, incoming)
+        return JobIdConflict(
+            "job_id_conflict",
+            f"job {prediction.job_id} exists with another payload (digest {existing}, this one {incoming})",
+        )
 
     def _check_part_conflict(self, cur: Any, prediction: Prediction) -> None:
         cur.execute(

@@ -1,8 +1,9 @@
 """SQLite backend (the embedded default): WAL mode, one connection per thread per store object.
 
 Finalisation of a job is serialised by BEGIN IMMEDIATE (SQLite has one writer at a time), so
-several sink processes may share one database file. "database is locked" beyond the busy
-timeout, and a missing or unwritable file, become StoreUnavailable.
+several sink processes may share one database file. Outages are told by SQLite's result code
+(exc.sqlite_errorcode), not by message text: busy/locked beyond the busy timeout, a file that
+cannot be opened, I/O errors, a read-only or full disk become StoreUnavailable.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from mmpipe.stages.sink.store.base import StoreUnavailable
 from mmpipe.stages.sink.store.sql import SqlStore
 
 
-# OperationalError messages that mean the database is unavailable for now, not misused.
-OUTAGE_SIGNS = ("locked", "busy", "unable to open", "disk i/o", "readonly", "disk is full", "no such file")
+# Primary result codes that mean the database is unavailable for now, not misused.
+OUTAGE_CODES = frozenset({
+    sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR,
+    sqlite3.SQLITE_READONLY, sqlite3.SQLITE_FULL, sqlite3.SQLITE_PROTOCOL,
+})
 
 
 def sqlite_path(url: str) -> str:
@@ -42,9 +46,10 @@ class SqliteStore(SqlStore):
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL: a committed transaction survives a process crash (SIGKILL); only an OS
-            # crash / power loss can drop the last few, which Kafka redelivery then replays.
-            conn.execute("PRAGMA synchronous=NORMAL")
+            # FULL: a commit is on disk before the sink acks its input. With NORMAL an OS crash
+            # or power loss could drop the last commits after their offsets were committed to
+            # Kafka, and nothing would replay them.
+            conn.execute("PRAGMA synchronous=FULL")
             self._local.conn = conn
         return conn
 
@@ -70,11 +75,12 @@ class SqliteStore(SqlStore):
             raise
 
     def _classified(self, exc: sqlite3.OperationalError) -> Exception:
-        """An outage (locked, busy, file missing or unwritable, I/O) becomes StoreUnavailable,
-        which the sink waits out; anything else (no such column, syntax) is a bug the sink must
-        not retry forever, so it stays what it is."""
-        if any(sign in str(exc).lower() for sign in OUTAGE_SIGNS):
-            return StoreUnavailable(f"sqlite {self.path}: {exc}")
+        """An outage (locked, busy, file missing or unwritable, I/O, disk full) becomes
+        StoreUnavailable; anything else (no such column, syntax) stays what it is, a bug the
+        sink reports loudly (it still waits, never dead-letters a good prediction for it)."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF in OUTAGE_CODES:  # extended codes carry the primary in the low byte
+            return StoreUnavailable(f"sqlite {self.path}: {getattr(exc, 'sqlite_errorname', code)}: {exc}")
         return exc
 
     def _drop_connection(self) -> None:

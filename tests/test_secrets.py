@@ -1,0 +1,64 @@
+"""Secrets: SecretStr in the settings (masked in repr, str and JSON dumps), store URL passwords
+redacted for screens and logs, settings files for child processes written 0600 with the real
+values, the API's docs off by a setting, and `mmpipe api` refusing to serve off loopback
+without a token."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+
+from typer.testing import CliRunner
+
+from mmpipe.cli import app as cli
+from mmpipe.schemas.settings import Settings, load_settings, redact_url, secret, write_settings
+
+PASSWORD = "s3cret-pw"
+TOKEN = "t0ken-value"
+
+
+def _settings(**overrides: object) -> Settings:
+    return Settings(api_token=TOKEN, security={"security_protocol": "SASL_SSL", "sasl_password": PASSWORD},
+                    store_url=f"postgresql://mmpipe:{PASSWORD}@db.example:5432/results", **overrides)
+
+
+def test_secrets_never_show_in_repr_str_logs_or_dumps(caplog):
+    settings = _settings()
+    logging.getLogger("test").warning("settings: %s %r", settings, settings)
+    for text in (repr(settings), str(settings), settings.model_dump_json(), caplog.text):
+        assert PASSWORD not in text and TOKEN not in text
+    assert secret(settings.api_token) == TOKEN and secret(settings.security.sasl_password) == PASSWORD
+
+
+def test_store_url_password_is_redacted():
+    assert redact_url(f"postgresql://mmpipe:{PASSWORD}@db:5432/r") == "postgresql://mmpipe:***@db:5432/r"
+    assert redact_url("sqlite:////var/results.db") == "sqlite:////var/results.db"
+
+
+def test_settings_file_is_0600_and_carries_the_real_secrets(tmp_path, monkeypatch):
+    path = tmp_path / "stage.settings.json"
+    path.write_text("{}")
+    path.chmod(0o644)  # a file left from before with wider permissions
+    write_settings(_settings(), path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    monkeypatch.setenv("MMPIPE_SETTINGS_FILE", str(path))
+    loaded = load_settings()
+    assert secret(loaded.api_token) == TOKEN and secret(loaded.security.sasl_password) == PASSWORD
+    assert PASSWORD in json.loads(path.read_text())["store_url"]
+
+
+def test_api_docs_can_be_turned_off(tmp_path):
+    from mmpipe.api import create_app
+
+    local = {"store_url": f"sqlite:///{tmp_path / 'r.db'}"}
+    assert create_app(Settings(**local)).openapi_url == "/openapi.json"
+    off = create_app(Settings(api_docs=False, **local))
+    assert off.openapi_url is None and off.docs_url is None and off.redoc_url is None
+
+
+def test_api_refuses_to_serve_off_loopback_without_a_token(monkeypatch):
+    monkeypatch.delenv("MMPIPE_API_TOKEN", raising=False)
+    result = CliRunner().invoke(cli, ["api", "--host", "0.0.0.0", "--port", "1"])
+    assert result.exit_code == 2 and "--insecure" in result.output
