@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from mmpipe.streams.children import die_with_parent
+
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +53,12 @@ class EmbeddedBroker:
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
-        self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Its own session (a Ctrl-C aimed at the parent's terminal does not reach it), gone with
+        # its parent even when the parent is SIGKILLed.
+        self.process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
         try:
             wait_until_ready(self.bootstrap, timeout_s, self.process)
         except Exception:
