@@ -116,6 +116,8 @@ def up(
         with console.status("starting broker and stages (models load, groups join)..."):
             pipeline.start()
     except StartFailed as failed:
+        if as_json:
+            _print_json({"event": "start_failed", "failures": failed.failures})
         err = Console(stderr=True)
         err.print(f"[red]mmpipe up: {len(failed.failures)} process(es) failed to start; stopped everything else[/]",
                   soft_wrap=True)

@@ -305,17 +305,22 @@ FAILURE_GRACE_S = 2.0
 
 # A traceback's exception line: "ValueError: ...", "mmpipe.models.base.WeightsUnavailable: ...".
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unavailable|Exit|Interrupt|Failed)\b.*")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Where a crash report puts its reason: the first unindented line after a Python traceback's
+# header; the line after a Rust panic's "panicked at" (the broker).
+_REASON_AFTER = ("Traceback (most recent call last):", "panicked at ")
 
 
 def last_reason(path: Path, max_chars: int = 300) -> str:
-    """The log's last meaningful line: the exception that ended its last traceback, else the
-    last line that names an error, else its last line."""
+    """The log's last meaningful line: the exception that ended its last traceback (or panic),
+    else the last line that names an error, else its last line."""
     try:
-        lines = [line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        text = _ANSI.sub("", path.read_text(errors="replace"))
     except OSError:
         return "(no log)"
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
-    if starts:  # the first unindented line after the last traceback header is its exception
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if any(marker in line for marker in _REASON_AFTER)]
+    if starts:
         found = next((line for line in lines[starts[-1] + 1:] if not line[:1].isspace()), None)
         if found:
             return found[:max_chars]

@@ -32,6 +32,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_port_block(span: int, host: str = "127.0.0.1") -> int:
+    """A base port whose next `span` ports are all free (a metrics port layout such as up's)."""
+    for _ in range(50):
+        base = free_port(host)
+        if base + span < 65535 and all(_port_free(base + i, host) for i in range(span)):
+            return base
+    raise RuntimeError(f"no block of {span} free ports on {host}")
+
+
+def _port_free(port: int, host: str) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
 class EmbeddedBroker:
     def __init__(self, host: str = "127.0.0.1", port: int = 9092, log_path: Path | None = None) -> None:
         self.host = host

@@ -13,6 +13,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,32 +27,12 @@ import pytest
 
 from mmpipe.client import make_event
 from mmpipe.schemas.settings import Settings
-from mmpipe.streams.broker import free_port
+from mmpipe.streams.broker import free_port, free_port_block
 from mmpipe.supervisor import supervisor_metrics_port
 from tests.helpers import publish, wait_for_results
 
 MMPIPE = [sys.executable, "-m", "mmpipe.cli"]
 pytestmark = pytest.mark.slow
-
-
-def free_port_block(size: int = 50) -> int:
-    """A base port with `size` free ports above it (up's metrics layout needs 41)."""
-    for _ in range(50):
-        base = free_port()
-        if base + size < 65000 and all(_port_free(base + i) for i in range(size)):
-            return base
-    raise RuntimeError("no free block of ports")
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def processes_mentioning(marker: str) -> dict[int, str]:
@@ -133,7 +114,7 @@ def up_env(state_dir: Path, bootstrap: str, **extra: str) -> dict[str, str]:
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     state_dir = tmp_path_factory.mktemp(f"up-{uuid.uuid4().hex[:6]}")
     env = up_env(state_dir, f"127.0.0.1:{free_port()}")  # random weights: up's default, as the demo's
-    running = UpProcess(state_dir, env, free_port_block())
+    running = UpProcess(state_dir, env, free_port_block(50))
     try:
         running.next_event(240, event="up")
         yield running
@@ -215,6 +196,27 @@ def _screen_when(session: str, ready: callable, timeout_s: float = 60.0) -> str:
     raise AssertionError(f"screen never showed what was expected:\n{screen}")
 
 
+def run_cli(up: UpProcess, *args: str) -> dict:
+    done = subprocess.run([*MMPIPE, *args], env=up.env, cwd=up.state_dir, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_scripts_get_json(up: UpProcess) -> None:
+    settings = settings_of(up)
+    job = make_event("text", text="for a script", job_id=f"json-{uuid.uuid4().hex[:8]}")
+    publish(settings, [job])
+    wait_for_results(settings, [job.job_id], timeout_s=120)
+
+    shown = run_cli(up, "results", job.job_id, "--json")
+    assert shown["job"]["state"] == "ok" and shown["result"]["job_id"] == job.job_id
+    lag = run_cli(up, "lag", "--window", "1", "--json", "--metrics-base-port", str(up.base_port))
+    assert [h["stage"] for h in lag["hints"]] == ["decode", "preprocess", "inference", "sink"]
+    assert all(h["members"] == 1 for h in lag["hints"]) and lag["endpoints_answered"] == 4
+    frame = run_cli(up, "top", "--json", "--interval", "1", "--metrics-base-port", str(up.base_port))
+    assert frame["supervisor_reached"] and {v["stage"]: v["restarts"] for v in frame["stages"]}["inference"] == 1
+
+
 def test_sigkill_of_up_leaves_no_process(up: UpProcess) -> None:
     children = processes_mentioning(str(up.state_dir))
     assert any("worker sink" in cmd for cmd in children.values()) and any("broker" in cmd for cmd in children.values())
@@ -225,7 +227,7 @@ def test_sigkill_of_up_leaves_no_process(up: UpProcess) -> None:
 
 def test_a_failed_start_says_why_and_stops_everything(tmp_path: Path) -> None:
     env = up_env(tmp_path, f"127.0.0.1:{free_port()}", MMPIPE_ALLOW_RANDOM_WEIGHTS="0")
-    done = subprocess.run([*MMPIPE, "up", "--metrics-base-port", str(free_port_block())], env=env, cwd=tmp_path,
+    done = subprocess.run([*MMPIPE, "up", "--metrics-base-port", str(free_port_block(50))], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
@@ -233,4 +235,17 @@ def test_a_failed_start_says_why_and_stops_everything(tmp_path: Path) -> None:
     assert lines[1].startswith("inference-0: exited with code 1: ")
     assert "WeightsUnavailable: no weights for resnet18" in lines[1] and "MMPIPE_ALLOW_RANDOM_WEIGHTS=1" in lines[1]
     assert lines[1].endswith(f"(log: {tmp_path / 'run' / 'inference-0.log'})")
+    assert wait_gone(str(tmp_path)) == {}
+
+
+def test_a_broker_port_in_use_is_named(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = up_env(tmp_path, f"127.0.0.1:{taken.getsockname()[1]}")
+        done = subprocess.run([*MMPIPE, "up", "--json", "--metrics-base-port", "0"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    (failure,) = json.loads(done.stdout)["failures"]
+    assert failure["process"] == "broker" and "Address in use" in failure["reason"], failure
     assert wait_gone(str(tmp_path)) == {}
