@@ -209,7 +209,7 @@ def test_scripts_get_json(up: UpProcess) -> None:
     wait_for_results(settings, [job.job_id], timeout_s=120)
 
     shown = run_cli(up, "results", job.job_id, "--json")
-    assert shown["job"]["state"] == "ok" and shown["result"]["job_id"] == job.job_id
+    assert shown["job"]["state"] == "done" and shown["result"]["status"] == "ok"
     lag = run_cli(up, "lag", "--window", "1", "--json", "--metrics-base-port", str(up.base_port))
     assert [h["stage"] for h in lag["hints"]] == ["decode", "preprocess", "inference", "sink"]
     assert all(h["members"] == 1 for h in lag["hints"]) and lag["endpoints_answered"] == 4
