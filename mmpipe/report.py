@@ -92,7 +92,8 @@ def print_result(console: Console, result: JobResult) -> None:
 
 
 # --- Layout for the terminal's width, and JSON for scripts ------------------------------------
-UNBOUNDED_WIDTH = 10_000  # measuring a table at this width gives its natural, unwrapped width
+UNBOUNDED_WIDTH = 10_000
+STACKED_FIELD_MAX = 36  # "column value" pairs up to this long share lines in the stacked form  # measuring a table at this width gives its natural, unwrapped width
 
 
 def fitted(console: Console, table: Table) -> RenderableType:
@@ -117,8 +118,11 @@ def stacked(table: Table) -> Group:
             Text.assemble((f"{column.header} ", "dim"), cell if isinstance(cell, Text) else str(cell))
             for column, cell in zip(columns[1:], cells)
         ]
+        # Long values get a line each: one of them in the grid would force it down to one column.
+        short = [f for f in fields if len(f) <= STACKED_FIELD_MAX]
         parts.append(Text(str(head), style="bold"))
-        parts.append(Padding(Columns(fields, padding=(0, 3)), (0, 0, 0, 2)))
+        parts.append(Padding(Columns(short, padding=(0, 3)), (0, 0, 0, 2)))
+        parts.extend(Padding(f, (0, 0, 0, 2)) for f in fields if len(f) > STACKED_FIELD_MAX)
     if table.caption:
         parts.append(Text(str(table.caption), style="dim"))
     return Group(*parts)
