@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from rich.table import Table
 
 from mmpipe.capacity import LATENCY_BUDGET_S
 from mmpipe.schemas.settings import Settings, load_settings, redact_url
+
+if TYPE_CHECKING:
+    from mmpipe.supervisor import Pipeline
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -31,6 +34,16 @@ def _settings(bootstrap: str | None = None, **overrides: object) -> Settings:
 
 
 BootstrapOpt = Annotated[Optional[str], typer.Option(help="Kafka bootstrap servers (default: settings)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (one document, or one line per item) for scripts")]
+
+
+def _print_json(value: object) -> None:
+    """Compact JSON on stdout, never wrapped or coloured (rich would do both)."""
+    import orjson
+
+    from mmpipe.report import to_jsonable
+
+    typer.echo(orjson.dumps(to_jsonable(value)).decode())
 
 
 @app.command()
@@ -44,7 +57,7 @@ def broker(port: int = 9092, host: str = "127.0.0.1") -> None:
 
 
 @app.command()
-def topics(bootstrap: BootstrapOpt = None) -> None:
+def topics(bootstrap: BootstrapOpt = None, as_json: JsonOpt = False) -> None:
     """Create the pipeline's topics (idempotent)."""
     from mmpipe.streams.kafka import ensure_topics
     from mmpipe.streams.topics import TopicNames
@@ -52,7 +65,11 @@ def topics(bootstrap: BootstrapOpt = None) -> None:
     settings = _settings(bootstrap)
     asyncio.run(ensure_topics(settings))
     for name, spec in TopicNames(settings.topic_prefix).all():
-        console.print(f"{name:24} {settings.partitions} partitions  {spec.kafka_config() or ''}  {spec.description}")
+        if as_json:
+            _print_json({"topic": name, "partitions": settings.partitions, "config": spec.kafka_config(),
+                         "description": spec.description})
+        else:
+            console.print(f"{name:24} {settings.partitions} partitions  {spec.kafka_config() or ''}  {spec.description}")
 
 
 @app.command()
@@ -77,31 +94,89 @@ def worker(stage: Annotated[str, typer.Argument(help="decode | preprocess | infe
 @app.command()
 def up(
     bootstrap: BootstrapOpt = None,
-    metrics_base_port: int = typer.Option(9100, help="stage i replica j serves metrics on base+10*i+j"),
+    metrics_base_port: int = typer.Option(9100, help="stage i replica j serves metrics on base+10*i+j; `up` itself on base+40"),
     replicas: Annotated[Optional[list[str]], typer.Option(
         "--replicas", help="STAGE=N processes for a stage, repeatable (default: the topology's default, 1)",
     )] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Start everything: the embedded broker (unless --bootstrap) and every stage's processes."""
-    from mmpipe.streams.topology import metrics_port
-    from mmpipe.supervisor import Pipeline
+    """Start everything: the embedded broker (unless --bootstrap) and every stage's processes,
+    and keep them running: a stage process that exits is started again (backoff 1 s doubling
+    to 30 s). Ctrl-C or SIGTERM stops everything; so does `up` dying (children get SIGKILL)."""
+    from mmpipe.supervisor import Pipeline, StartFailed, supervisor_metrics_port
 
     settings = _settings(bootstrap)
     counts = _replica_counts(replicas or [])
-    with console.status("starting broker and stages (models load, groups join)..."):
-        pipeline = Pipeline(settings, embedded_broker=bootstrap is None, replicas=counts, metrics_base_port=metrics_base_port).start()
+    if "allow_random_weights" not in settings.model_fields_set:
+        # As the demo does: a fresh machine has no ImageNet weights, and `up` should still come up.
+        settings = settings.model_copy(update={"allow_random_weights": True})
+        _warn_random_weights(settings)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
+    pipeline = Pipeline(settings, embedded_broker=bootstrap is None, replicas=counts, metrics_base_port=metrics_base_port)
     try:
-        table = Table(title=f"pipeline up on {pipeline.settings.bootstrap}")
-        for col in ("process", "pid", "metrics", "log"):
-            table.add_column(col)
-        for proc in pipeline.processes:
-            port = metrics_port(metrics_base_port, proc.stage, proc.index) if metrics_base_port else None
-            table.add_row(proc.name, str(proc.process.pid), f"http://127.0.0.1:{port}/metrics" if port else "-", str(proc.log_path))
-        console.print(table)
-        console.print(f"publish with: MMPIPE_BOOTSTRAP={pipeline.settings.bootstrap} mmpipe produce FILE...   Ctrl-C stops")
-        _wait_for_signal()
+        with console.status("starting broker and stages (models load, groups join)..."):
+            pipeline.start()
+    except StartFailed as failed:
+        if as_json:
+            _print_json({"event": "start_failed", "failures": failed.failures})
+        err = Console(stderr=True)
+        err.print(f"[red]mmpipe up: {len(failed.failures)} process(es) failed to start; stopped everything else[/]",
+                  soft_wrap=True)
+        for failure in failed.failures:
+            err.print(failure.line(), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    try:
+        if metrics_base_port:
+            pipeline.metrics.serve(supervisor_metrics_port(metrics_base_port))
+        _print_processes(pipeline, metrics_base_port, as_json)
+        emit = _print_json if as_json else (lambda event: console.print(event.line(), markup=False, soft_wrap=True))
+        pipeline.supervise(until=lambda: False, on_event=emit)
+    except KeyboardInterrupt:
+        pass
     finally:
         pipeline.stop()
+
+
+def _warn_random_weights(settings: Settings) -> None:
+    from mmpipe.models.image_classifier import ImageClassifierSpec
+    from mmpipe.models.registry import specs_by_name
+
+    for spec in specs_by_name(settings.models):
+        if isinstance(spec, ImageClassifierSpec) and spec.weights_on_disk(settings.weights_dir) is None:
+            Console(stderr=True).print(
+                f"[bold yellow]WEIGHTS: {spec.arch} has no ImageNet weights here[/] (no {spec.weights_file} in "
+                f"{settings.weights_dir} or torch's cache): unless it can download them it runs with RANDOM "
+                "weights, so its labels mean nothing (timings are real) and its results say weights=random. "
+                "Set MMPIPE_ALLOW_RANDOM_WEIGHTS=0 to refuse to start instead.",
+                soft_wrap=True,
+            )
+
+
+def _print_processes(pipeline: Pipeline, metrics_base_port: int, as_json: bool) -> None:
+    from mmpipe.report import fitted
+    from mmpipe.streams.topology import metrics_port
+    from mmpipe.supervisor import supervisor_metrics_port
+
+    rows = []
+    for proc in pipeline.processes:
+        port = metrics_port(metrics_base_port, proc.stage, proc.index) if metrics_base_port else None
+        rows.append({"process": proc.name, "pid": proc.process.pid,
+                     "metrics": f"http://127.0.0.1:{port}/metrics" if port else None, "log": str(proc.log_path)})
+    up_metrics = f"http://127.0.0.1:{supervisor_metrics_port(metrics_base_port)}/metrics" if metrics_base_port else None
+    if as_json:
+        _print_json({"event": "up", "bootstrap": pipeline.settings.bootstrap, "metrics": up_metrics, "processes": rows})
+        return
+    table = Table(title=f"pipeline up on {pipeline.settings.bootstrap}")
+    for col in ("process", "pid", "metrics", "log"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["process"], str(row["pid"]), row["metrics"] or "-", row["log"])
+    console.print(fitted(console, table))
+    console.print(f"publish with: MMPIPE_BOOTSTRAP={pipeline.settings.bootstrap} mmpipe produce FILE...", soft_wrap=True)
+    console.print("watch with: mmpipe top   Ctrl-C stops" + (f"   (up's own metrics: {up_metrics})" if up_metrics else ""),
+                  soft_wrap=True)
 
 
 def _replica_counts(pairs: list[str]) -> dict[str, int]:
@@ -127,6 +202,7 @@ def produce(
     deadline_s: Optional[float] = typer.Option(None, help="seconds the job may take"),
     job_id: Optional[str] = typer.Option(None, help="job id (one file only); same id twice = one job"),
     bootstrap: BootstrapOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Publish media events to the `events` topic; prints each job id."""
     from mmpipe.client import Publisher, event_for_file, parse_model
@@ -147,7 +223,10 @@ def produce(
 
     asyncio.run(run())
     for event in events:
-        console.print(f"{event.job_id}\t{event.modality}")
+        if as_json:
+            _print_json({"job_id": event.job_id, "modality": event.modality})
+        else:
+            console.print(f"{event.job_id}\t{event.modality}")
 
 
 @app.command()
@@ -155,6 +234,7 @@ def results(
     job_id: Annotated[Optional[str], typer.Argument()] = None,
     follow: bool = typer.Option(False, "--follow", "-f", help="stream results from the results topic"),
     bootstrap: BootstrapOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show a job's stored result (and status), or follow the results topic."""
     from mmpipe.report import print_result
@@ -166,7 +246,10 @@ def results(
 
         async def run() -> None:
             async for result in follow_results(settings, from_beginning=True):
-                print_result(console, result)
+                if as_json:
+                    _print_json(result)
+                else:
+                    print_result(console, result)
 
         try:
             asyncio.run(run())
@@ -181,6 +264,9 @@ def results(
     if job is None and result is None:
         console.print(f"[red]no job {job_id!r} in {redact_url(settings.store_url)}[/]")
         raise typer.Exit(1)
+    if as_json:
+        _print_json({"job": job, "result": result})
+        return
     if job is not None:
         console.print(f"job {job.job_id}: [bold]{job.state}[/]  " + "  ".join(f"{k}={v:.3f}" for k, v in job.state_times.items()))
     if result is not None:
@@ -197,18 +283,54 @@ def lag(
     )] = None,
     metrics_base_port: int = typer.Option(9100, help="`up`'s metrics base port, probed when no --metrics (0: don't)"),
     target_utilisation: float = typer.Option(0.7, min=0.05, max=1.0, help="busy fraction per replica the hint aims for"),
+    as_json: JsonOpt = False,
 ) -> None:
     """Consumer lag per stage group and partition (like kafka-consumer-groups --describe), and per
     stage the arrival rate, service time and the replicas needed to keep up."""
-    from mmpipe.report import capacity_report, capacity_table, lag_table, partition_lag_table
+    from mmpipe.report import (
+        capacity_json, capacity_report, capacity_table, fitted, partition_json, partition_lag_table, stage_lag_rows,
+    )
 
     settings = _settings(bootstrap)
     if window <= 0:
-        console.print(asyncio.run(lag_table(settings)))
+        rows = asyncio.run(stage_lag_rows(settings))
+        if as_json:
+            _print_json({"bootstrap": settings.bootstrap, "partitions": [partition_json(row) for row in rows]})
+        else:
+            console.print(fitted(console, partition_lag_table(rows, settings.bootstrap)))
         return
     report = asyncio.run(capacity_report(settings, window, metrics, metrics_base_port, target_utilisation))
-    console.print(capacity_table(report))
-    console.print(partition_lag_table(report.partitions, settings.bootstrap))
+    if as_json:
+        _print_json(capacity_json(report))
+        return
+    console.print(fitted(console, capacity_table(report)))
+    console.print(fitted(console, partition_lag_table(report.partitions, settings.bootstrap)))
+
+
+@app.command()
+def top(
+    bootstrap: BootstrapOpt = None,
+    window: float = typer.Option(10.0, help="seconds of history that rates and percentiles cover"),
+    interval: float = typer.Option(2.0, help="seconds between refreshes"),
+    metrics: Annotated[Optional[list[str]], typer.Option(
+        "--metrics", help="a stage's metrics URL, repeatable (default: the ports `up` gives stages on 127.0.0.1)",
+    )] = None,
+    metrics_base_port: int = typer.Option(9100, help="`up`'s metrics base port, probed when no --metrics (0: don't)"),
+    target_utilisation: float = typer.Option(0.7, min=0.05, max=1.0, help="busy fraction per replica the hint aims for"),
+    once: bool = typer.Option(False, "--once", help="print one frame (over --interval) and exit"),
+    as_json: JsonOpt = False,
+) -> None:
+    """Live view of the running pipeline: per stage its members, in/s, done/s, lag, queue wait,
+    batch sizes, restarts, dead letters and the replicas needed; end-to-end p50/p99 above."""
+    from mmpipe.top import TopSources, run_top
+
+    settings = _settings(bootstrap)
+    sources = TopSources.of(metrics, metrics_base_port)
+    try:
+        asyncio.run(run_top(settings, console, sources, window, interval, target_utilisation,
+                            once=once or as_json, on_frame=_print_json if as_json else None))
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mmpipe.client import Publisher, collect_results, make_event
-from mmpipe.report import results_table
+from mmpipe.report import fitted, results_table
 from mmpipe.schemas.settings import Settings
 from mmpipe.supervisor import Pipeline
 from mmpipe.schemas import MediaEvent
@@ -69,7 +69,7 @@ def run_demo(settings: Settings, jobs: int, timeout_s: float, console: Console) 
     finally:
         with console.status("stopping..."):
             pipeline.stop()
-    console.print(results_table([results[e.job_id] for e in events if e.job_id in results]))
+    console.print(fitted(console, results_table([results[e.job_id] for e in events if e.job_id in results])))
     if any(r.weights == "random" for r in results.values()):
         console.print("[yellow]note:[/] resnet18 ran with RANDOM weights (no ImageNet weights on this machine:"
                       f" put resnet18-f37072fd.pth in {settings.weights_dir}); its labels are meaningless, its timings real.")

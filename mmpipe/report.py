@@ -4,17 +4,23 @@ replica hint of `mmpipe lag`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import socket
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from rich.console import Console
+import msgspec
+from rich.columns import Columns
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from mmpipe.capacity import (
     SHUTDOWN_MARGIN_S,
@@ -87,27 +93,105 @@ def results_table(results: list[JobResult]) -> Table:
 
 
 def print_result(console: Console, result: JobResult) -> None:
-    console.print(results_table([result]))
+    console.print(fitted(console, results_table([result])))
+
+
+# --- Layout for the terminal's width, and JSON for scripts ------------------------------------
+UNBOUNDED_WIDTH = 10_000
+STACKED_FIELD_MAX = 36  # "column value" pairs up to this long share lines in the stacked form  # measuring a table at this width gives its natural, unwrapped width
+
+
+def fitted(console: Console, table: Table) -> RenderableType:
+    """The table if it fits the console unwrapped, else the same rows stacked: one block per
+    row, its first cell as the heading and every other cell as "column value" beneath. A piped
+    console is 80 columns wide (rich's default), so files and pipes get the stacked form too."""
+    natural = Measurement.get(console, console.options.update(max_width=UNBOUNDED_WIDTH), table).maximum
+    if natural <= console.width:
+        return table
+    return stacked(table)
+
+
+def stacked(table: Table) -> Group:
+    """A narrow rendering of a table's rows that keeps each value whole."""
+    columns = table.columns
+    parts: list[RenderableType] = []
+    if table.title:
+        parts.append(Text(str(table.title), style="bold"))
+    for row in zip(*(column.cells for column in columns)):
+        head, *cells = row
+        fields = [
+            Text.assemble((f"{column.header} ", "dim"), cell if isinstance(cell, Text) else str(cell))
+            for column, cell in zip(columns[1:], cells)
+        ]
+        # Long values get a line each: one of them in the grid would force it down to one column.
+        short = [f for f in fields if len(f) <= STACKED_FIELD_MAX]
+        parts.append(Text(str(head), style="bold"))
+        parts.append(Padding(Columns(short, padding=(0, 3)), (0, 0, 0, 2)))
+        parts.extend(Padding(f, (0, 0, 0, 2)) for f in fields if len(f) > STACKED_FIELD_MAX)
+    if table.caption:
+        parts.append(Text(str(table.caption), style="dim"))
+    return Group(*parts)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses and msgspec structs as plain JSON types (paths as strings)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, msgspec.Struct):
+        return msgspec.to_builtins(value)
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def partition_json(row: PartitionLag) -> dict[str, Any]:
+    return {**to_jsonable(row), "lag": row.lag, "end_behind_commit": row.lag < 0}
+
+
+async def stage_lag_rows(settings: Settings) -> list[PartitionLag]:
+    """Every stage group's lag on its input partitions, in topology order."""
+    reader = LagReader(settings)
+    try:
+        return [row for stage in STAGE_NAMES for row in await reader.read_stage(stage)]
+    finally:
+        await reader.close()
 
 
 async def lag_table(settings: Settings) -> Table:
-    reader = LagReader(settings)
-    try:
-        rows = [row for stage in STAGE_NAMES for row in await reader.read_stage(stage)]
-    finally:
-        await reader.close()
-    return partition_lag_table(rows, settings.bootstrap)
+    return partition_lag_table(await stage_lag_rows(settings), settings.bootstrap)
+
+
+# Why a committed offset can be past the end offset: not a bug, and nothing waits.
+END_BEHIND_COMMIT_NOTE = (
+    "† end offset behind the committed offset: nothing waits (lag 0). The embedded broker reports "
+    "the last record batch's base offset + 1 as the end, so a producer's multi-record batches read "
+    "short by the records after the first (librdkafka reads the same numbers)."
+)
 
 
 def partition_lag_table(rows: list[PartitionLag], bootstrap: str) -> Table:
     """Per group and partition, like kafka-consumer-groups --describe."""
-    table = Table(title=f"consumer lag on {bootstrap}")
+    behind = any(row.lag < 0 for row in rows)
+    table = Table(title=f"consumer lag on {bootstrap}", caption=END_BEHIND_COMMIT_NOTE if behind else None)
     for col in ("group", "topic", "partition", "end offset", "committed", "lag"):
         table.add_column(col, justify="right" if col in ("partition", "end offset", "committed", "lag") else "left")
     for row in rows:
         committed = "-" if row.committed is None else str(row.committed)
-        table.add_row(row.group, row.topic, str(row.partition), str(row.end_offset), committed, str(row.lag))
+        table.add_row(row.group, row.topic, str(row.partition), str(row.end_offset), committed, lag_cell(row.lag))
     return table
+
+
+def lag_cell(lag: int) -> str:
+    return f"0 ({lag}†)" if lag < 0 else str(lag)
+
+
+def waiting(rows: list[PartitionLag]) -> int:
+    """Messages waiting over these partitions (an end offset behind the commit counts as 0)."""
+    return sum(max(row.lag, 0) for row in rows)
 
 
 # --- The replica hint ------------------------------------------------------------------------
@@ -164,18 +248,16 @@ class Snapshot:
     at: float  # time.monotonic()
     partitions: dict[str, list[PartitionLag]]  # by stage
     pages: dict[str, MetricsPage]  # by URL, the endpoints that answered
+    texts: dict[str, str] = field(default_factory=dict)  # by URL, the pages as scraped
 
 
 async def take_snapshot(reader: LagReader, settings: Settings, endpoints: list[MetricsEndpoint]) -> Snapshot:
     scrapes = asyncio.gather(*(asyncio.to_thread(scrape, e.url) for e in endpoints))
     at = time.monotonic()
     partitions = {stage: await reader.read_stage(stage) for stage in STAGE_NAMES}
-    pages = {
-        e.url: parse_metrics(text, e.stage)
-        for e, text in zip(endpoints, await scrapes)
-        if text is not None
-    }
-    return Snapshot(at, partitions, pages)
+    texts = {e.url: text for e, text in zip(endpoints, await scrapes) if text is not None}
+    pages = {e.url: parse_metrics(texts[e.url], e.stage) for e in endpoints if e.url in texts}
+    return Snapshot(at, partitions, pages, texts)
 
 
 def stage_load(
@@ -198,7 +280,7 @@ def stage_load(
         window_s=after.at - before.at,
         arrived=arrived,
         consumed=consumed,
-        lag=sum(row.lag for row in rows),
+        lag=waiting(rows),
         partitions=max(Counter(row.topic for row in rows).values(), default=0),
         service=service,
         service_recent=recent,
@@ -234,16 +316,31 @@ async def capacity_report(
         before = await take_snapshot(reader, settings, endpoints)
         await asyncio.sleep(max(window_s - (time.monotonic() - before.at), 0.0))
         after = await take_snapshot(reader, settings, endpoints)
-        members = {stage: await reader.group_members(group_id(settings, stage)) for stage in STAGE_NAMES}
+        members = await stage_members(reader, settings)
     finally:
         await reader.close()
+    hints = hints_between(settings, before, after, members, target)
+    rows = [row for stage in STAGE_NAMES for row in after.partitions[stage]]
+    return CapacityReport(settings.bootstrap, after.at - before.at, target, hints, rows, len(after.pages))
+
+
+async def stage_members(reader: LagReader, settings: Settings) -> dict[str, int | None]:
+    return {stage: await reader.group_members(group_id(settings, stage)) for stage in STAGE_NAMES}
+
+
+def hints_between(
+    settings: Settings, before: Snapshot, after: Snapshot, members: dict[str, int | None], target: float
+) -> list[CapacityHint]:
+    """One replica hint per stage from two snapshots."""
     workers = stage_workers(settings)
-    hints = [
+    return [
         capacity_hint(stage_load(stage, before, after, workers[stage], members[stage]), target)
         for stage in STAGE_NAMES
     ]
-    rows = [row for stage in STAGE_NAMES for row in after.partitions[stage]]
-    return CapacityReport(settings.bootstrap, after.at - before.at, target, hints, rows, len(after.pages))
+
+
+def capacity_json(report: CapacityReport) -> dict[str, Any]:
+    return {**to_jsonable(report), "partitions": [partition_json(row) for row in report.partitions]}
 
 
 def capacity_table(report: CapacityReport) -> Table:

@@ -81,8 +81,19 @@ class ImageClassifierSpec(ModelSpec):
             model.load_state_dict(state)
         return ImageClassifier(self, model, device, weights)
 
+    @property
+    def weights_file(self) -> str:
+        return Path(self.weights_enum.url).name
+
+    def weights_on_disk(self, weights_dir: Path) -> Path | None:
+        """The weights load() finds without a download: the local file, else torch's hub cache."""
+        for path in (weights_dir / self.weights_file, Path(torch.hub.get_dir()) / "checkpoints" / self.weights_file):
+            if path.is_file():
+                return path
+        return None
+
     def _load_state(self, weights_dir: Path, allow_random: bool) -> tuple[dict | None, str]:
-        local = weights_dir / Path(self.weights_enum.url).name
+        local = weights_dir / self.weights_file
         if local.is_file():
             _check_file_hash(local)
             return torch.load(local, map_location="cpu", weights_only=True), f"local:{local}"

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 
 from mmpipe.streams.retry import poll_until
+from mmpipe.streams.children import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_port_block(span: int, host: str = "127.0.0.1") -> int:
+    """A base port whose next `span` ports are all free (a metrics port layout such as up's)."""
+    for _ in range(50):
+        base = free_port(host)
+        if base + span < 65535 and all(_port_free(base + i, host) for i in range(span)):
+            return base
+    raise RuntimeError(f"no block of {span} free ports on {host}")
+
+
+def _port_free(port: int, host: str) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 class EmbeddedBroker:
@@ -52,7 +71,12 @@ class EmbeddedBroker:
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
-        self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Its own session (a Ctrl-C aimed at the parent's terminal does not reach it), gone with
+        # its parent even when the parent is SIGKILLed.
+        self.process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
         try:
             wait_until_ready(self.bootstrap, timeout_s, self.process)
         except Exception:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 import uuid
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from mmpipe.harness.bench.workload import Workload, decode_clip, model_input
 from mmpipe.schemas.settings import Settings, load_settings
 from mmpipe.models.registry import DEFAULTS, resolve
 from mmpipe.models.torch_util import resolve_device
+from mmpipe.streams.broker import free_port_block
 
 # Pipeline settings that shape the figures, reported with them.
 REPORTED_SETTINGS = {
@@ -381,26 +381,6 @@ def plan_policies(curve: ModelCurve, cfg: BenchConfig) -> dict[str, Any]:
     sizes = sorted({b for b in (best // 2, best, best * 2) if 2 <= b <= largest}) or [best]
     sweep = [Policy("dynamic", b, wait(f)) for b in sizes for f in cfg.sweep_wait_factors]
     return {"off": Policy("off", 1), "static": Policy("static", best), "headline": headline, "sweep": sweep}
-
-
-def free_port_block(span: int) -> int:
-    """A base port whose next `span` ports are all free on loopback (stage metrics ports)."""
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + span < 65535 and all(_free(base + i) for i in range(span)):
-            return base
-    raise RuntimeError("no block of free ports for the stage metrics servers")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _jsonable(value: Any) -> Any:
