@@ -13,6 +13,7 @@ from aiokafka import AIOKafkaConsumer
 
 from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payload, decode_result, encode_event
+from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.streams.kafka import client_kwargs, make_producer
 from mmpipe.streams.topics import TopicNames
 
@@ -55,6 +56,8 @@ def make_event(
     model: ModelRef | None = None,
     deadline_s: float | None = None,
     attributes: dict[str, str] | None = None,
+    priority: int = NORMAL_PRIORITY,
+    on_timeout: str = "reject",
 ) -> MediaEvent:
     now = time.time()
     return MediaEvent(
@@ -66,6 +69,8 @@ def make_event(
         model=model,
         deadline=None if deadline_s is None else now + deadline_s,
         attributes=attributes or {},
+        priority=priority,
+        on_timeout=on_timeout,  # type: ignore[arg-type]
     )
 
 

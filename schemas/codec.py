@@ -18,6 +18,7 @@ import orjson
 
 from mmpipe.schemas.events import (
     MODALITIES,
+    NORMAL_PRIORITY,
     SCHEMA_VERSION,
     DeadLetter,
     JobResult,
@@ -129,6 +130,8 @@ class WorkItem:
     trace: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    priority: int = NORMAL_PRIORITY  # scheduling, from the job's MediaEvent
+    on_timeout: str = "reject"
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
@@ -157,6 +160,8 @@ def encode_work_item(item: WorkItem) -> bytes:
             "trace": item.trace,
             "meta": item.meta,
             "tensors": specs,
+            "priority": item.priority,
+            "on_timeout": item.on_timeout,
         },
         option=orjson.OPT_SERIALIZE_NUMPY,
     )
@@ -214,6 +219,8 @@ def decode_work_item(raw: bytes) -> WorkItem:
             trace=dict(header["trace"]),
             meta=dict(header["meta"]),
             tensors=tensors,
+            priority=int(header.get("priority", NORMAL_PRIORITY)),
+            on_timeout=str(header.get("on_timeout", "reject")),
         )
     except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
         raise BadMessage("malformed_item", str(exc)) from None

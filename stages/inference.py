@@ -20,6 +20,7 @@ from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
+from mmpipe.streams.priority import is_late
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class InferenceStage(Stage):
                 model_limit=model.spec.config.max_batch_size,
                 executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}"),
                 metrics=self.metrics,
+                aging_s=self.settings.scheduling.aging_s,
             )
             batcher.start()
             self.batchers[ref] = batcher
@@ -82,14 +84,18 @@ class InferenceStage(Stage):
             modality=item.modality, model=item.model, created_at=item.created_at,
         )
         try:
-            output, info = await batcher.submit(item.tensors, item.deadline)
+            output, info = await batcher.submit(item.tensors, item.deadline, item.priority, item.on_timeout)
         except Expired as exc:
-            return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc))]
+            return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc),
+                                             priority=item.priority)]
         except ItemFailed as exc:
             raise BadMessage("model_error", str(exc)) from None
         item.trace.update(batch_start=info.started_at, batch_end=info.finished_at)
         self.metrics.observe_service("execute", info.finished_at - info.started_at)
         self.metrics.gpu_memory.set(gpu_memory_bytes())
+        late = is_late(info.started_at, item.deadline)
+        if late:
+            self.metrics.late.labels(self.name).inc()
         prediction = Prediction(
             **common,
             status="ok",
@@ -97,6 +103,8 @@ class InferenceStage(Stage):
             output=output,
             meta={**item.meta, "batch_size": info.size, "batch_trigger": info.trigger},
             weights=self.models[item.model].weights,
+            priority=item.priority,
+            late=late,
         )
         out = [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(prediction))]
         if item.part == 0:

@@ -7,15 +7,14 @@ inference stage receives model-ready tensors and spends its time on the accelera
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from mmpipe.models.base import BadInput, ModelError
 from mmpipe.models.registry import all_specs, get_spec
 from mmpipe.schemas import BadMessage, WorkItem, decode_work_item, encode_work_item
+from mmpipe.streams.priority import PriorityExecutor, deadline_verdict
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 
@@ -25,25 +24,26 @@ class PreprocessStage(Stage):
     def setup(self) -> None:
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
-        self._pool = ThreadPoolExecutor(self.settings.inference_workers, thread_name_prefix="preprocess")
+        self._pool = PriorityExecutor(self.settings.inference_workers, "preprocess", self.settings.scheduling.aging_s,
+                                      time.monotonic)
         for spec in all_specs().values():
             spec.example_input()  # first-call costs (lazy imports, tokenizer load) paid here
 
     async def stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
         item = decode_work_item(message.value)
         started = message.received_at
         item.trace["preprocess_in"] = started
-        if time.time() > item.deadline:
+        if deadline_verdict(time.time(), item.deadline, item.on_timeout) == "expire":
             return [self.answer_without_work(
                 "expired",
                 job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
                 modality=item.modality, model=item.model, created_at=item.created_at,
-                trace=item.trace, detail="deadline passed before preprocess",
+                trace=item.trace, detail="deadline passed before preprocess", priority=item.priority,
             )]
-        ready = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, item)
+        ready = await self._pool.run(item.priority, self._preprocess, item)
         ready.trace["preprocess_out"] = time.time()
         self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
         out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready))]

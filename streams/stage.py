@@ -31,10 +31,12 @@ from faust.sensors.prometheus import FaustMetrics
 
 from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Prediction, peek_header, to_json
+from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.streams import transport
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
 from mmpipe.streams.metrics import StageMetrics, StageMonitor, serve_metrics
+from mmpipe.streams.priority import PriorityWaiters
 from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -91,9 +93,10 @@ class Stage(abc.ABC):
         self.topics = TopicNames(settings.topic_prefix)
         self.backlog = 0  # this group's lag, refreshed by the runtime, decremented per message
 
-    async def wait_for_room(self, message: Incoming) -> bool:
+    async def wait_for_room(self, message: Incoming, priority: int = NORMAL_PRIORITY) -> bool:
         """Admission: wait until the next stage has room for this message's work (True), or
-        give up at once when shedding load (False). The runtime supplies the live version."""
+        give up at once when shedding load (False); higher priorities take room first. The
+        runtime supplies the live version."""
         return True
 
     @property
@@ -118,14 +121,15 @@ class Stage(abc.ABC):
 
     # Helpers for subclasses ------------------------------------------------------------
     def answer_without_work(self, status: str, *, job_id: str, part: int, parts: int, kind: str, modality: str,
-                            model: ModelRef, created_at: float, trace: dict[str, float], detail: str) -> Outgoing:
+                            model: ModelRef, created_at: float, trace: dict[str, float], detail: str,
+                            priority: int = NORMAL_PRIORITY) -> Outgoing:
         """Answer an item as expired (deadline passed) or rejected (overload): no work is done,
         the answer goes straight to the sink, which decides the whole job with it."""
         counter = self.metrics.expired if status == "expired" else self.metrics.rejected
         counter.labels(self.name).inc()
         prediction = Prediction(
             job_id=job_id, part=part, parts=parts, kind=kind, modality=modality, model=model,
-            status=status, created_at=created_at, trace=trace, error=detail,
+            status=status, created_at=created_at, trace=trace, error=detail, priority=priority,
         )
         return Outgoing(self.topics.predictions, job_id.encode(), to_json(prediction))
 
@@ -242,6 +246,7 @@ class StageRuntime:
         self._downstream_lag: dict[int, int] = {}  # per output partition, see _count_downstream
         self._admitting: Counter[int] = Counter()  # admitted messages whose output is not sent yet
         self._reserved: set[tuple[int, int]] = set()  # (partition, offset) of those messages
+        self._admission_order: dict[int, PriorityWaiters] = {}  # per input partition, by priority
         stage.wait_for_room = self._wait_for_room  # type: ignore[method-assign]
         self._started = asyncio.Event()
 
@@ -419,16 +424,23 @@ class StageRuntime:
     def _shedding(self) -> bool:
         return self.stage.sheds_load and self.stage.backlog > self.settings.max_backlog
 
-    async def _wait_for_room(self, message: Incoming) -> bool:
+    async def _wait_for_room(self, message: Incoming, priority: int = NORMAL_PRIORITY) -> bool:
         """Exact admission at the head of the pipeline: a message goes on only while the next
         stage's estimated backlog (last read-out + sent since + admitted, not yet sent) is under
-        the bound. Otherwise it waits; under `reject` it is turned away once more than
-        max_backlog jobs wait in front of this stage."""
+        the bound. Otherwise it waits, behind the waiters that rank before it (priority, aged);
+        under `reject` it is turned away once more than max_backlog jobs wait in front of this
+        stage."""
         partition = message.partition
-        while self._downstream_lag_of(partition) >= self.settings.downstream_lag_high:
-            if self._shedding():
-                return False
-            await asyncio.sleep(ADMISSION_POLL_S)
+        order = self._admission_order.setdefault(
+            partition, PriorityWaiters(self.settings.scheduling.aging_s, time.monotonic))
+        turn = order.enter(priority)
+        try:
+            while not order.is_first(turn) or self._downstream_lag_of(partition) >= self.settings.downstream_lag_high:
+                if self._shedding():
+                    return False
+                await asyncio.sleep(ADMISSION_POLL_S)
+        finally:
+            order.leave(turn)
         self._admitting[partition] += 1
         self._reserved.add((partition, message.offset))
         return True

@@ -9,10 +9,8 @@ whose deadline already passed is answered as expired without being decoded.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mmpipe.stages.decode.inputs import InputError, read_payload
@@ -22,6 +20,7 @@ from mmpipe.models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_sp
 from mmpipe.schemas import BadMessage, MediaEvent, WorkItem, decode_event, encode_work_item
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.priority import PriorityExecutor, deadline_verdict
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 
@@ -33,7 +32,7 @@ class DecodeStage(Stage):
         self.sheds_load = settings.admission_policy == "reject"  # the pipeline's admission point
 
     def setup(self) -> None:
-        self._pool = ThreadPoolExecutor(self.settings.decode_workers, thread_name_prefix="decode")
+        self._pool = PriorityExecutor(self.settings.decode_workers, "decode", self.settings.scheduling.aging_s, time.monotonic)
         all_specs()  # import the model specs (torch, torchvision) now, not on the first job
         self._warm_up()
 
@@ -45,24 +44,22 @@ class DecodeStage(Stage):
         decode_video(clip, DecodeLimits(video_max_frames=1))
 
     async def stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
         event = decode_event(message.value)
         started = message.received_at
         deadline = event.deadline or event.created_at + self.settings.default_deadline_s
         self.backlog = max(self.backlog - 1, 0)
-        if time.time() > deadline:
+        if deadline_verdict(time.time(), deadline, event.on_timeout) == "expire":
             return [self._answer(event, "expired", started, f"deadline {deadline:.3f} passed before decode")]
         frame_spec = self._resolve(event)
-        if not await self.wait_for_room(message):
+        if not await self.wait_for_room(message, event.priority):
             detail = (f"overloaded: {self.backlog} jobs wait for decode (max_backlog "
                       f"{self.settings.max_backlog}) and the next stage is full; retry later")
             return [self._answer(event, "rejected", started, detail)]
         payload = await self._read(event)
-        media = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._decode, event, payload, frame_spec
-        )
+        media = await self._pool.run(event.priority, self._decode, event, payload, frame_spec)
         items = self._items(event, media, frame_spec, deadline, started)
         self.metrics.observe_service("decode", time.time() - started)
         key = event.job_id.encode()
@@ -138,6 +135,8 @@ class DecodeStage(Stage):
                 trace=dict(trace),
                 meta=meta,
                 tensors=tensors,
+                priority=event.priority,
+                on_timeout=event.on_timeout,
             )
             for index, (kind, part_spec, tensors, meta) in enumerate(parts)
         ]
@@ -155,4 +154,5 @@ class DecodeStage(Stage):
             created_at=event.created_at,
             trace={"created": event.created_at, "decode_in": started},
             detail=detail,
+            priority=event.priority,
         )
