@@ -5,6 +5,7 @@ Internal contracts (stages write them):   WorkItem (binary, carries tensors) -> 
                                           Prediction                         -> `predictions`
                                           DeadLetter                         -> `dead-letter`
                                           JobStatus                          -> `status`
+                                          WorkerState                        -> `workers`
 Output contract (downstream reads it):    JobResult                          -> `results` + store
 
 Every struct is a msgspec Struct: decoding validates types and reports the path of the first
@@ -157,6 +158,20 @@ class JobStatus(msgspec.Struct, frozen=True):
     state: JobState
     at: float
     stage: str
+
+
+class WorkerState(msgspec.Struct, frozen=True):
+    """An inference worker's own report, for the router placing work onto `ready` (keyed by
+    worker, on a compacted topic): what it owns, whether it can serve, how fast it drains."""
+
+    worker: str  # host-pid
+    partitions: list[int]  # of the ready topic, assigned to it now
+    ready: bool  # started, models loaded, partitions assigned
+    models: list[str]  # model names loaded
+    item_s: float | None  # measured execute seconds per item (EWMA of batch time / size)
+    waits_s: dict[str, float]  # measured queue wait per partition (EWMA), keys are partitions
+    at: float  # epoch seconds of the report
+    schema_version: int = SCHEMA_VERSION
 
 
 class JobResult(msgspec.Struct):

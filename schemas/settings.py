@@ -38,7 +38,8 @@ class SchedulingSettings(BaseModel):
     # Routing: preprocess places each work item on the ready partition with the lowest expected
     # wait instead of the job ID's hash partition.
     routing: bool = False
-    route_sticky_s: float = Field(1.0, ge=0)  # keep a choice at least this long
+    route_sticky_s: float = Field(1.0, ge=0)  # keep a choice at least this long ...
+    route_escape_ratio: float = Field(3.0, gt=1)  # ... unless another one is expected to wait this many times less
     route_hysteresis: float = Field(0.3, ge=0)  # switch only to a partition this much (relative) better
     route_min_gain_s: float = Field(0.05, ge=0)  # ... and at least this much (absolute)
     route_max_share: float = Field(0.75, gt=0, le=1)  # of the recent decisions, per partition

@@ -19,9 +19,11 @@ from mmpipe.models.base import LoadedModel
 from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
+from mmpipe.schemas.events import WorkerState
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
 from mmpipe.streams.priority import is_late
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
+from mmpipe.streams.worker_state import ServiceClock, WorkerReporter, snapshot, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,13 @@ class InferenceStage(Stage):
         for model in self.models.values():
             model.warmup()
         self.batchers: dict[ModelRef, DynamicBatcher] = {}
+        # What the router on the preprocess side places work by: this worker's own report.
+        self.service_clock = ServiceClock()
+        self.reporter = WorkerReporter(self.settings, self._worker_state) if self.settings.scheduling.routing else None
+
+    def _worker_state(self) -> WorkerState:
+        ready = bool(self.batchers) and bool(self.assigned)
+        return snapshot(worker_name(), set(self.assigned), ready, [ref.name for ref in self.models], self.service_clock)
 
     async def start(self) -> None:
         for ref, model in self.models.items():
@@ -57,6 +66,8 @@ class InferenceStage(Stage):
             )
             batcher.start()
             self.batchers[ref] = batcher
+        if self.reporter is not None:
+            self.reporter.start()
 
     def _with_injected_delay(self, predict: Callable[[list], list]) -> Callable[[list], list]:
         delay_s = self.settings.inject_execute_delay_ms / 1000.0
@@ -70,6 +81,8 @@ class InferenceStage(Stage):
         return slowed
 
     async def stop(self) -> None:
+        if self.reporter is not None:
+            await self.reporter.stop()
         for batcher in self.batchers.values():
             await batcher.stop()
 
@@ -92,6 +105,8 @@ class InferenceStage(Stage):
             raise BadMessage("model_error", str(exc)) from None
         item.trace.update(batch_start=info.started_at, batch_end=info.finished_at)
         self.metrics.observe_service("execute", info.finished_at - info.started_at)
+        self.service_clock.item_done(info.finished_at - info.started_at, info.size)
+        self.service_clock.waited(message.partition, info.started_at - message.timestamp)
         self.metrics.gpu_memory.set(gpu_memory_bytes())
         late = is_late(info.started_at, item.deadline)
         if late:
@@ -101,7 +116,8 @@ class InferenceStage(Stage):
             status="ok",
             trace=item.trace,
             output=output,
-            meta={**item.meta, "batch_size": info.size, "batch_trigger": info.trigger},
+            meta={**item.meta, "batch_size": info.size, "batch_trigger": info.trigger,
+                  "ready_partition": message.partition},
             weights=self.models[item.model].weights,
             priority=item.priority,
             late=late,

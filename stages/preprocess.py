@@ -15,7 +15,9 @@ from mmpipe.models.base import BadInput, ModelError
 from mmpipe.models.registry import all_specs, get_spec
 from mmpipe.schemas import BadMessage, WorkItem, decode_work_item, encode_work_item
 from mmpipe.streams.priority import PriorityExecutor, deadline_verdict
+from mmpipe.streams.routing import Router
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
+from mmpipe.streams.worker_state import WorkerStateFeed
 
 
 class PreprocessStage(Stage):
@@ -28,8 +30,27 @@ class PreprocessStage(Stage):
                                       time.monotonic)
         for spec in all_specs().values():
             spec.example_input()  # first-call costs (lazy imports, tokenizer load) paid here
+        # Placement onto `ready`: routed by expected wait, or (off) the job ID's hash partition.
+        self.router = Router(self.settings.scheduling, time.time) if self.settings.scheduling.routing else None
+        self._feed = WorkerStateFeed(self.settings, self.router.observe_worker) if self.router else None
+
+    async def start(self) -> None:
+        if self._feed is not None:
+            self._feed.start()
+
+    def observe_downstream_lag(self, lag: dict[int, int]) -> None:
+        if self.router is None:
+            return
+        self.router.observe_lag(lag)
+        for model in self.router.models:  # the estimate beside what the workers measured
+            for partition, wait in self.router.expected_waits(model).items():
+                self.metrics.route_expected_wait.labels(model, str(partition)).set(wait)
+        for partition, wait in self.router.measured_waits().items():
+            self.metrics.route_measured_wait.labels(str(partition)).set(wait)
 
     async def stop(self) -> None:
+        if self._feed is not None:
+            await self._feed.stop()
         self._pool.shutdown()
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
@@ -46,10 +67,22 @@ class PreprocessStage(Stage):
         ready = await self._pool.run(item.priority, self._preprocess, item)
         ready.trace["preprocess_out"] = time.time()
         self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
-        out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready))]
+        out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready),
+                        self._place(item.model.name))]
         if item.part == 0:
             out.append(self.status(item.job_id, "preprocessing"))
         return out
+
+    def _place(self, model: str) -> int | None:
+        """The ready partition for one item of `model` (None: its key's hash partition)."""
+        if self.router is None:
+            return None
+        flips = self.router.flips
+        partition = self.router.choose(model)
+        if partition is not None:
+            self.metrics.route_decisions.labels(str(partition)).inc()
+        self.metrics.route_flips.inc(self.router.flips - flips)
+        return partition
 
     def _preprocess(self, item: WorkItem) -> WorkItem:
         try:

@@ -104,7 +104,7 @@ class StageMetrics:
         )
         self.route_expected_wait = Gauge(
             "mm_route_expected_wait_seconds", "The router's expected wait per ready partition (lag x service time)",
-            ["partition"], registry=r,
+            ["model", "partition"], registry=r,
         )
         self.route_measured_wait = Gauge(
             "mm_route_measured_wait_seconds", "Queue wait the owning inference worker last reported per partition",

@@ -57,6 +57,7 @@ class Outgoing(NamedTuple):
     topic: str
     key: bytes
     value: bytes
+    partition: int | None = None  # placed by a router (streams/routing.py); None: the key's hash
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Stage(abc.ABC):
         self.metrics = metrics
         self.topics = TopicNames(settings.topic_prefix)
         self.backlog = 0  # this group's lag, refreshed by the runtime, decremented per message
+        self.assigned: frozenset[int] = frozenset()  # partitions of the first input topic, kept by the runtime
 
     async def wait_for_room(self, message: Incoming, priority: int = NORMAL_PRIORITY) -> bool:
         """Admission: wait until the next stage has room for this message's work (True), or
@@ -118,6 +120,9 @@ class Stage(abc.ABC):
 
     async def after_send(self, outgoing: list[Outgoing]) -> None:
         """Called once the broker acknowledged every output, before the input is acked."""
+
+    def observe_downstream_lag(self, lag: dict[int, int]) -> None:
+        """The next stage's lag per partition of this stage's output, at each read-out."""
 
     # Helpers for subclasses ------------------------------------------------------------
     def answer_without_work(self, status: str, *, job_id: str, part: int, parts: int, kind: str, modality: str,
@@ -270,9 +275,12 @@ class StageRuntime:
 
     async def _on_revoked(self, app: Any, revoked: Any, **_: Any) -> None:
         self.gate.forget(revoked)
+        self.stage.assigned = self.stage.assigned - {tp.partition for tp in revoked if tp.topic == self.stage.input_topics[0]}
 
     async def _on_assigned(self, app: Any, assigned: Any, **_: Any) -> None:
         log.info("stage %s assigned %s", self.stage.name, sorted(f"{tp.topic}/{tp.partition}" for tp in assigned))
+        self.stage.assigned = frozenset(
+            tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.stage.input_topics[0])
         if self.ready_file is not None and not self.ready_file.exists():
             self.ready_file.write_text(str(os.getpid()))
 
@@ -359,7 +367,7 @@ class StageRuntime:
         while True:
             try:
                 futures = [
-                    await self.app.producer.send(out.topic, out.key, out.value, None, None, None)
+                    await self.app.producer.send(out.topic, out.key, out.value, out.partition, None, None)
                     for out in outgoing
                 ]
                 self._count_downstream(await asyncio.gather(*futures))
@@ -396,6 +404,7 @@ class StageRuntime:
         topic, group = self._downstream
         rows = await self._lag_reader.read(group, [topic])
         self._downstream_lag = {row.partition: row.lag for row in rows}
+        self.stage.observe_downstream_lag(self._downstream_lag)
         self._export_lag(group, rows)
         self._hold_or_release_for_downstream()
 

@@ -38,8 +38,9 @@ PREDICTIONS = TopicSpec("predictions", "per-part model outputs (Prediction JSON)
 RESULTS = TopicSpec("results", "one result per job_id (JobResult JSON)", compacted=True)
 DEAD_LETTER = TopicSpec("dead-letter", "input that cannot be processed, with a reason")
 STATUS = TopicSpec("status", "job state transitions reported by the stages", compacted=True)
+WORKERS = TopicSpec("workers", "inference workers' state for routing onto ready (WorkerState JSON)", compacted=True)
 
-ALL_TOPICS = (EVENTS, DECODED, READY, PREDICTIONS, RESULTS, DEAD_LETTER, STATUS)
+ALL_TOPICS = (EVENTS, DECODED, READY, PREDICTIONS, RESULTS, DEAD_LETTER, STATUS, WORKERS)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class TopicNames:
     @property
     def status(self) -> str:
         return STATUS.name(self.prefix)
+
+    @property
+    def workers(self) -> str:
+        return WORKERS.name(self.prefix)
 
     def all(self) -> list[tuple[str, TopicSpec]]:
         return [(spec.name(self.prefix), spec) for spec in ALL_TOPICS]
