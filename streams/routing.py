@@ -22,6 +22,10 @@ Guardrails, because chasing the lowest queue thrashes:
     route_hysteresis (relative) and route_min_gain_s (absolute);
   * a share cap: no partition takes more than route_max_share of the last route_share_window
     decisions; beyond it the item goes to the next best eligible partition.
+
+Backpressure is unchanged: preprocess still pauses its input partition p while ready
+partition p lags past downstream_lag_high (with routing that is conservative: the router
+already steers away from a lagging partition, so it drains).
 """
 
 from __future__ import annotations

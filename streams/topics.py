@@ -4,9 +4,12 @@
        │                  │                      │                       ▲                 (compacted)
        └──────────────────┴──────────────────────┴──▶ dead-letter ───────┘
     every stage ──▶ status ──▶ sink (job status table)
+    inference ──▶ workers ──▶ preprocess's router (compacted; only with scheduling.routing)
 
 All keys are job IDs, so every message of one job lands on the same partition of each topic,
-and the sink that assembles a job's parts sees all of them.
+and the sink that assembles a job's parts sees all of them. With routing on, preprocess picks
+the `ready` partition itself (parts of one job may run on different inference workers); the
+predictions are still keyed by job ID, so the sink still assembles them.
 """
 
 from __future__ import annotations

@@ -52,14 +52,10 @@ class ServiceClock:
         self.waits_s[partition] = _ewma(self.waits_s.get(partition), max(seconds, 0.0))
 
 
-class WorkerReporter:
-    """Publishes this worker's state periodically; `snapshot` says what it is right now."""
+class _Background:
+    """One task of the stage's event loop, started with the stage and cancelled at its stop."""
 
-    def __init__(self, settings: Settings, snapshot: Callable[[], WorkerState]) -> None:
-        self.settings = settings
-        self.snapshot = snapshot
-        self.topic = TopicNames(settings.topic_prefix).workers
-        self._task: asyncio.Task | None = None
+    _task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -68,6 +64,18 @@ class WorkerReporter:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class WorkerReporter(_Background):
+    """Publishes this worker's state periodically; `snapshot` says what it is right now."""
+
+    def __init__(self, settings: Settings, snapshot: Callable[[], WorkerState]) -> None:
+        self.settings = settings
+        self.snapshot = snapshot
+        self.topic = TopicNames(settings.topic_prefix).workers
 
     async def _run(self) -> None:
         producer = make_producer(self.settings)
@@ -84,22 +92,13 @@ class WorkerReporter:
             await producer.stop()
 
 
-class WorkerStateFeed:
+class WorkerStateFeed(_Background):
     """Follows the `workers` topic and hands every report to `observe` (the router's)."""
 
     def __init__(self, settings: Settings, observe: Callable[[WorkerState], None]) -> None:
         self.settings = settings
         self.observe = observe
         self.topic = TopicNames(settings.topic_prefix).workers
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:  # the broker may not be up yet, or may restart: keep following
