@@ -55,7 +55,7 @@ from mmpipe.models.base import ModelSpec, UnknownModel, WrongModality
 from mmpipe.models.registry import all_specs, resolve
 from mmpipe.schemas import JobResult, MediaEvent
 from mmpipe.schemas.codec import unknown_modality
-from mmpipe.schemas.events import JOB_ID_PATTERN, MODALITIES
+from mmpipe.schemas.events import JOB_ID_PATTERN, MODALITIES, NORMAL_PRIORITY, PRIORITY_LEVELS, TimeoutAction
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,10 @@ class JobRequest(BaseModel):
     data_b64: str | None = Field(None, description="inline media bytes, base64")
     model: str | None = Field(None, description="NAME:VERSION; default: the modality's model", examples=["resnet18:imagenet1k-v1"])
     deadline_s: float | None = Field(None, gt=0, description="seconds the job may take before it is answered as expired")
+    priority: int = Field(NORMAL_PRIORITY, ge=0, le=PRIORITY_LEVELS - 1, description="0 = high .. 2 = low")
+    on_timeout: TimeoutAction = Field(
+        "reject", description="when the deadline passes while the job waits: reject (answer expired) or run_late"
+    )
     job_id: str | None = Field(
         None, pattern=JOB_ID_PATTERN, description="your id for the job: submitting it again returns the same job"
     )
@@ -354,7 +358,8 @@ async def build_event(job: JobRequest, upload: Upload | None, settings: Settings
     payload = await _payload(job, upload, modality, settings)
     try:
         event = make_event(
-            modality, job_id=job.job_id, model=spec.ref if job.model else None, deadline_s=job.deadline_s, **payload
+            modality, job_id=job.job_id, model=spec.ref if job.model else None, deadline_s=job.deadline_s,
+            priority=job.priority, on_timeout=job.on_timeout, **payload
         )
     except ValueError as exc:
         raise ApiError(422, "invalid_job", str(exc)) from None

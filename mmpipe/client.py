@@ -13,7 +13,8 @@ from aiokafka import AIOKafkaConsumer
 
 from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payload, decode_result, encode_event
-from mmpipe.streams.kafka import client_kwargs, make_producer
+from mmpipe.schemas.events import NORMAL_PRIORITY
+from mmpipe.streams.kafka import groupless_consumer, make_producer
 from mmpipe.streams.topics import TopicNames
 
 EXTENSIONS = {
@@ -55,6 +56,8 @@ def make_event(
     model: ModelRef | None = None,
     deadline_s: float | None = None,
     attributes: dict[str, str] | None = None,
+    priority: int = NORMAL_PRIORITY,
+    on_timeout: str = "reject",
 ) -> MediaEvent:
     now = time.time()
     return MediaEvent(
@@ -66,6 +69,8 @@ def make_event(
         model=model,
         deadline=None if deadline_s is None else now + deadline_s,
         attributes=attributes or {},
+        priority=priority,
+        on_timeout=on_timeout,  # type: ignore[arg-type]
     )
 
 
@@ -109,18 +114,8 @@ class Publisher:
 
 
 def results_reader(settings: Settings, *topics: str, offset_reset: str) -> AIOKafkaConsumer:
-    """A consumer without a group (every reader sees every result), sized for the largest
-    message; subscribed to `topics`, or to none when the caller assigns partitions itself."""
-    return AIOKafkaConsumer(
-        *topics,
-        **client_kwargs(settings),
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset=offset_reset,
-        fetch_max_wait_ms=settings.fetch_max_wait_ms,
-        max_partition_fetch_bytes=settings.max_message_bytes,
-        fetch_max_bytes=settings.max_message_bytes * 2,
-    )
+    """A consumer without a group (every reader sees every result)."""
+    return groupless_consumer(settings, *topics, offset_reset=offset_reset)
 
 
 async def follow_results(

@@ -22,6 +22,7 @@ import orjson
 
 from mmpipe.schemas.events import (
     MODALITIES,
+    NORMAL_PRIORITY,
     SCHEMA_VERSION,
     DeadLetter,
     JobResult,
@@ -146,6 +147,8 @@ class WorkItem:
     trace: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    priority: int = NORMAL_PRIORITY  # scheduling, from the job's MediaEvent
+    on_timeout: str = "reject"
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
@@ -185,6 +188,8 @@ def encode_work_item(item: WorkItem) -> bytes:
             "trace": item.trace,
             "meta": item.meta,
             "tensors": specs,
+            "priority": item.priority,
+            "on_timeout": item.on_timeout,
         },
         option=orjson.OPT_SERIALIZE_NUMPY,
     )
@@ -225,6 +230,8 @@ class _ItemHeader(msgspec.Struct):
     trace: dict[str, float]
     meta: dict[str, Any]
     tensors: list[_TensorSpec]
+    priority: int = NORMAL_PRIORITY
+    on_timeout: str = "reject"
 
 
 def decode_work_item(raw: bytes) -> WorkItem:
@@ -261,6 +268,8 @@ def decode_work_item(raw: bytes) -> WorkItem:
         trace=header.trace,
         meta=header.meta,
         tensors=tensors,
+        priority=header.priority,
+        on_timeout=header.on_timeout,
     )
 
 

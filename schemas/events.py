@@ -5,16 +5,21 @@ Internal contracts (stages write them):   WorkItem (binary, carries tensors) -> 
                                           Prediction                         -> `predictions`
                                           DeadLetter                         -> `dead-letter`
                                           JobStatus                          -> `status`
+                                          WorkerState                        -> `workers`
 Output contract (downstream reads it):    JobResult                          -> `results` + store
 
 Every struct is a msgspec Struct: decoding validates types and reports the path of the first
 bad field, and unknown fields are ignored so a newer producer can add optional fields.
+
+Schema 1 history (additive, optional fields only, so the version number stays 1):
+  1.1  MediaEvent.priority and .on_timeout (scheduling); Prediction/JobResult .priority and
+       .late. Older producers omit them and get the defaults (normal priority, reject).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -28,6 +33,15 @@ ResultStatus = Literal["ok", "error", "expired", "rejected"]
 JobState = Literal[
     "accepted", "decoding", "preprocessing", "inferring", "done", "failed", "expired", "rejected"
 ]
+
+# Scheduling (Triton's priority_levels and queue policy): 0 is the highest of PRIORITY_LEVELS.
+PRIORITY_LEVELS = 3
+HIGH_PRIORITY, NORMAL_PRIORITY, LOW_PRIORITY = 0, 1, 2
+Priority = Annotated[int, msgspec.Meta(ge=0, le=PRIORITY_LEVELS - 1)]
+# What happens when a job's deadline passes while it waits: answered `expired` without being
+# run (reject), or run all the same with its result marked late (run_late).
+TimeoutAction = Literal["reject", "run_late"]
+TIMEOUT_ACTIONS: tuple[str, ...] = get_args(TimeoutAction)
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
@@ -68,6 +82,8 @@ class MediaEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     model: ModelRef | None = None  # None: the modality's default model
     deadline: float | None = None  # epoch seconds; None: created_at + default budget
     attributes: dict[str, str] = {}
+    priority: Priority = NORMAL_PRIORITY
+    on_timeout: TimeoutAction = "reject"
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -114,6 +130,8 @@ class Prediction(msgspec.Struct, frozen=True):
     meta: dict[str, Any] = {}
     weights: str = "pretrained"
     schema_version: int = SCHEMA_VERSION
+    priority: int = NORMAL_PRIORITY
+    late: bool = False  # ran although its deadline had passed (on_timeout = run_late)
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -142,6 +160,20 @@ class JobStatus(msgspec.Struct, frozen=True):
     stage: str
 
 
+class WorkerState(msgspec.Struct, frozen=True):
+    """An inference worker's own report, for the router placing work onto `ready` (keyed by
+    worker, on a compacted topic): what it owns, whether it can serve, how fast it drains."""
+
+    worker: str  # host-pid
+    partitions: list[int]  # of the ready topic, assigned to it now
+    ready: bool  # started, models loaded, partitions assigned
+    models: list[str]  # model names loaded
+    item_s: float | None  # measured execute seconds per item (EWMA of batch time / size)
+    waits_s: dict[str, float]  # measured queue wait per partition (EWMA), keys are partitions
+    at: float  # epoch seconds of the report
+    schema_version: int = SCHEMA_VERSION
+
+
 class JobResult(msgspec.Struct):
     """The one result per job_id: what the store holds and the `results` topic carries."""
 
@@ -157,3 +189,5 @@ class JobResult(msgspec.Struct):
     weights: str = "pretrained"
     parts: int = 1
     schema_version: int = SCHEMA_VERSION
+    priority: int = NORMAL_PRIORITY
+    late: bool = False  # some part ran after the job's deadline (on_timeout = run_late)

@@ -29,6 +29,27 @@ class BatchingSettings(BaseModel):
     max_queue: int = Field(256, ge=1)
 
 
+class SchedulingSettings(BaseModel):
+    """Priority aging (streams/priority.py) and lag-aware routing onto `ready` (streams/routing.py)."""
+
+    # One priority level is worth this much waiting: an item of priority p is overtaken only by
+    # work that arrived less than (p - q) * aging_s after it (the starvation bound).
+    aging_s: float = Field(1.0, gt=0)
+    # Routing: preprocess places each work item on the ready partition with the lowest expected
+    # wait instead of the job ID's hash partition.
+    routing: bool = False
+    route_sticky_s: float = Field(1.0, ge=0)  # keep a choice at least this long ...
+    route_escape_ratio: float = Field(3.0, gt=1)  # ... unless another one is expected to wait this many times less
+    route_hysteresis: float = Field(0.3, ge=0)  # switch only to a partition this much (relative) better
+    route_min_gain_s: float = Field(0.05, ge=0)  # ... and at least this much (absolute)
+    route_max_share: float = Field(0.75, gt=0, le=1)  # of the recent decisions, per partition
+    route_share_window: int = Field(64, ge=1)  # decisions the share is measured over
+    # Inference workers publish their state (partitions, readiness, models, service time) this
+    # often; a state older than worker_state_stale_s counts as not ready.
+    worker_state_interval_s: float = Field(0.5, gt=0)
+    worker_state_stale_s: float = Field(3.0, gt=0)
+
+
 class KafkaSecurity(BaseModel):
     """Client security for a secured cluster; PLAINTEXT for the embedded broker."""
 
@@ -136,6 +157,7 @@ class Settings(BaseSettings):
     inject_execute_delay_ms: float = Field(0.0, ge=0.0)
     # Named crash points armed for fault runs and tests (streams/faults.py); none in production.
     fault_points: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    scheduling: SchedulingSettings = SchedulingSettings()
 
     # --- Sink ---------------------------------------------------------------------------
     # default: sqlite:///<state_dir>/results.db. May hold a password: never printed or logged

@@ -19,9 +19,12 @@ from mmpipe.models.base import BadInput, LoadedModel
 from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, WorkItem, decode_work_item, failed_part, to_json
+from mmpipe.schemas.events import WorkerState
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
 from mmpipe.streams.faults import crash_point
+from mmpipe.streams.priority import is_late
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
+from mmpipe.streams.worker_state import ServiceClock, WorkerReporter, snapshot, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,13 @@ class InferenceStage(Stage):
         for model in self.models.values():
             model.warmup()
         self.batchers: dict[ModelRef, DynamicBatcher] = {}
+        # What the router on the preprocess side places work by: this worker's own report.
+        self.service_clock = ServiceClock()
+        self.reporter = WorkerReporter(self.settings, self._worker_state) if self.settings.scheduling.routing else None
+
+    def _worker_state(self) -> WorkerState:
+        ready = bool(self.batchers) and bool(self.assigned)
+        return snapshot(worker_name(), set(self.assigned), ready, [ref.name for ref in self.models], self.service_clock)
 
     async def start(self) -> None:
         for ref, model in self.models.items():
@@ -53,9 +63,12 @@ class InferenceStage(Stage):
                 model_limit=model.spec.config.max_batch_size,
                 executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}"),
                 metrics=self.metrics,
+                aging_s=self.settings.scheduling.aging_s,
             )
             batcher.start()
             self.batchers[ref] = batcher
+        if self.reporter is not None:
+            self.reporter.start()
 
     def _with_injected_faults(self, predict: Callable[[list], list]) -> Callable[[list], list]:
         """The model call with the configured fault injection: a degraded replica (a delay per
@@ -80,6 +93,8 @@ class InferenceStage(Stage):
         return crashing
 
     async def stop(self) -> None:
+        if self.reporter is not None:
+            await self.reporter.stop()
         for batcher in self.batchers.values():
             await batcher.stop()
 
@@ -108,21 +123,30 @@ class InferenceStage(Stage):
             modality=item.modality, model=item.model, created_at=item.created_at,
         )
         try:
-            output, info = await batcher.submit(item.tensors, item.deadline)
+            output, info = await batcher.submit(item.tensors, item.deadline, item.priority, item.on_timeout)
         except Expired as exc:
-            return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc))]
+            return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc),
+                                             priority=item.priority)]
         except ItemFailed as exc:
             raise BadMessage("model_error", str(exc)) from None
         item.trace.update(batch_start=info.started_at, batch_end=info.finished_at)
         self.metrics.observe_service("execute", info.finished_at - info.started_at)
+        self.service_clock.item_done(info.finished_at - info.started_at, info.size)
+        self.service_clock.waited(message.partition, info.started_at - message.timestamp)
         self.metrics.gpu_memory.set(gpu_memory_bytes())
+        late = is_late(info.started_at, item.deadline)
+        if late:
+            self.metrics.late.labels(self.name).inc()
         prediction = Prediction(
             **common,
             status="ok",
             trace=item.trace,
             output=output,
-            meta={**item.meta, "batch_size": info.size, "batch_trigger": info.trigger},
+            meta={**item.meta, "batch_size": info.size, "batch_trigger": info.trigger,
+                  "ready_partition": message.partition},
             weights=self.models[item.model].weights,
+            priority=item.priority,
+            late=late,
         )
         out = [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(prediction))]
         if item.part == 0:

@@ -7,16 +7,17 @@ inference stage receives model-ready tensors and spends its time on the accelera
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from mmpipe.models.base import BadInput, ModelError
 from mmpipe.models.registry import all_specs, get_spec
 from mmpipe.schemas import BadMessage, WorkItem, decode_work_item, encode_work_item, failed_part, to_json
+from mmpipe.streams.priority import PriorityExecutor, deadline_verdict
+from mmpipe.streams.routing import Router
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
+from mmpipe.streams.worker_state import WorkerStateFeed
 
 
 class PreprocessStage(Stage):
@@ -25,26 +26,46 @@ class PreprocessStage(Stage):
     def setup(self) -> None:
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
-        self._pool = ThreadPoolExecutor(self.settings.inference_workers, thread_name_prefix="preprocess")
+        self._pool = PriorityExecutor(self.settings.inference_workers, "preprocess", self.settings.scheduling.aging_s,
+                                      time.monotonic)
         for spec in all_specs().values():
             spec.example_input()  # first-call costs (lazy imports, tokenizer load) paid here
+        # Placement onto `ready`: routed by expected wait, or (off) the job ID's hash partition.
+        self.router = Router(self.settings.scheduling, time.time) if self.settings.scheduling.routing else None
+        self._feed = WorkerStateFeed(self.settings, self.router.observe_worker) if self.router else None
+
+    async def start(self) -> None:
+        if self._feed is not None:
+            self._feed.start()
+
+    def observe_downstream_lag(self, lag: dict[int, int]) -> None:
+        if self.router is None:
+            return
+        self.router.observe_lag(lag)
+        for model in self.router.models:  # the estimate beside what the workers measured
+            for partition, wait in self.router.expected_waits(model).items():
+                self.metrics.route_expected_wait.labels(model, str(partition)).set(wait)
+        for partition, wait in self.router.measured_waits().items():
+            self.metrics.route_measured_wait.labels(str(partition)).set(wait)
 
     async def stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._feed is not None:
+            await self._feed.stop()
+        self._pool.shutdown()
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
         item = decode_work_item(message.value)
         started = message.received_at
         item.trace["preprocess_in"] = started
-        if time.time() > item.deadline:
+        if deadline_verdict(time.time(), item.deadline, item.on_timeout) == "expire":
             return [self.answer_without_work(
                 "expired",
                 job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
                 modality=item.modality, model=item.model, created_at=item.created_at,
-                trace=item.trace, detail="deadline passed before preprocess",
+                trace=item.trace, detail="deadline passed before preprocess", priority=item.priority,
             )]
         try:
-            ready = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, item)
+            ready = await self._pool.run(item.priority, self._preprocess, item)
         except BadMessage as exc:
             if item.parts == 1:
                 raise
@@ -52,10 +73,22 @@ class PreprocessStage(Stage):
             return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(failed_part(item, exc)))]
         ready.trace["preprocess_out"] = time.time()
         self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
-        out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready))]
+        out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready),
+                        self._place(item.model.name))]
         if item.part == 0:
             out.append(self.status(item.job_id, "preprocessing"))
         return out
+
+    def _place(self, model: str) -> int | None:
+        """The ready partition for one item of `model` (None: its key's hash partition)."""
+        if self.router is None:
+            return None
+        flips = self.router.flips
+        partition = self.router.choose(model)
+        if partition is not None:
+            self.metrics.route_decisions.labels(str(partition)).inc()
+        self.metrics.route_flips.inc(self.router.flips - flips)
+        return partition
 
     def _preprocess(self, item: WorkItem) -> WorkItem:
         try:

@@ -17,11 +17,14 @@ with other counts the worst partition decides. No Kafka here: delivery feeds the
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.streams.backpressure import PartitionGate
+from mmpipe.streams.priority import PriorityWaiters
 
 ADMISSION_POLL_S = 0.005
 
@@ -32,14 +35,19 @@ class DownstreamAdmission:
         *,
         high: int,
         low: int,
+        aging_s: float,
         gate: PartitionGate,
         assigned: Callable[[], Iterable[Any]],
         shedding: Callable[[], bool],
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         poll_s: float = ADMISSION_POLL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.high = high
         self.low = low
+        self._aging_s = aging_s
+        self._clock = clock
+        self._order: dict[int, PriorityWaiters] = {}  # waiters per input partition, by priority
         self.gate = gate
         self._assigned = assigned  # this stage's assigned input partitions (TPs)
         self._shedding = shedding
@@ -77,13 +85,19 @@ class DownstreamAdmission:
     def estimate(self, partition: int) -> int:
         return self.lag_at(partition) + self._admitting[partition]
 
-    async def wait_for_room(self, partition: int, offset: int) -> bool:
+    async def wait_for_room(self, partition: int, offset: int, priority: int = NORMAL_PRIORITY) -> bool:
         """Wait until the next stage has room for this message's work (True), or give up at
-        once while the stage sheds load (False). A True reserves room until release()."""
-        while self.estimate(partition) >= self.high:
-            if self._shedding():
-                return False
-            await self._sleep(self._poll_s)
+        once while the stage sheds load (False). Waiters take room in rank order (priority,
+        aged: streams/priority.py). A True reserves room until release()."""
+        order = self._order.setdefault(partition, PriorityWaiters(self._aging_s, self._clock))
+        turn = order.enter(priority)
+        try:
+            while not order.is_first(turn) or self.estimate(partition) >= self.high:
+                if self._shedding():
+                    return False
+                await self._sleep(self._poll_s)
+        finally:
+            order.leave(turn)
         self._admitting[partition] += 1
         self._reserved.add((partition, offset))
         return True

@@ -9,23 +9,30 @@ A bucket (items with equal shape keys) is flushed when
   * its oldest item has waited static_timeout ("timeout") - static mode, which otherwise only
     runs full batches, or
   * at once, one item at a time ("off") - batching disabled.
-Items whose deadline passes while queued are answered as expired and never run. When several
-buckets are due, the one with the oldest item goes first, so a rare shape is not starved.
+Items whose deadline passes while queued are answered as expired and never run, unless their
+timeout action is run_late (then they run when their turn comes and the caller marks them
+late). Items carry a priority: within a bucket the best-ranked items (streams/priority.py:
+highest priority first, aged so low priorities are overtaken only for a bounded time) form the
+batch, and when several buckets are due, the one whose best item ranks first goes first; with
+equal priorities that is the oldest item, so a rare shape is not starved.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.schemas.settings import BatchingSettings
 from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.priority import rank
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,12 @@ class Pending:
     arrived: float  # batcher clock
     deadline: float  # batcher clock
     future: asyncio.Future | None = None
+    priority: int = NORMAL_PRIORITY  # 0 = highest (streams/priority.py)
+    on_timeout: str = "reject"  # reject: expire in the queue; run_late: run, marked late
+
+    @property
+    def expires(self) -> bool:
+        return self.on_timeout != "run_late"
 
 
 @dataclass(frozen=True)
@@ -56,78 +69,94 @@ class BatchInfo:
     finished_at: float
 
 
+Entry = tuple[float, int, Pending]  # (rank, arrival sequence, item): a bucket is a heap of these
+
+
 @dataclass
 class BatchPolicy:
     max_batch_size: int
     max_wait_s: float
     mode: str = "dynamic"
     static_timeout_s: float = 1.0
-    buckets: dict[Hashable, deque[Pending]] = field(default_factory=dict)
+    aging_s: float = 1.0  # priority levels: see streams/priority.py
+    buckets: dict[Hashable, list[Entry]] = field(default_factory=dict)
     size: int = 0
+    _seq: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     @classmethod
-    def from_settings(cls, s: BatchingSettings, model_limit: int) -> BatchPolicy:
+    def from_settings(cls, s: BatchingSettings, model_limit: int, aging_s: float = 1.0) -> BatchPolicy:
         max_batch = 1 if s.mode == "off" else min(s.max_batch_size, model_limit)
-        return cls(max_batch, s.max_wait_ms / 1000.0, s.mode, s.static_timeout_ms / 1000.0)
+        return cls(max_batch, s.max_wait_ms / 1000.0, s.mode, s.static_timeout_ms / 1000.0, aging_s)
 
     def add(self, item: Pending) -> None:
-        self.buckets.setdefault(item.key, deque()).append(item)
+        entry = (rank(item.priority, item.arrived, self.aging_s), next(self._seq), item)
+        heapq.heappush(self.buckets.setdefault(item.key, []), entry)
         self.size += 1
 
     def pop_expired(self, now: float) -> list[Pending]:
+        """Remove and return the items whose deadline passed and whose timeout action is
+        reject; run_late items stay and run when their turn comes."""
         expired: list[Pending] = []
         for key in list(self.buckets):
-            queue = self.buckets[key]
-            keep = deque(p for p in queue if p.deadline > now)
-            if len(keep) != len(queue):
-                expired.extend(p for p in queue if p.deadline <= now)
-                self._set(key, keep)
+            heap = self.buckets[key]
+            gone = [e for e in heap if e[2].expires and e[2].deadline <= now]
+            if gone:
+                expired.extend(e[2] for e in gone)
+                self._set(key, [e for e in heap if not (e[2].expires and e[2].deadline <= now)])
         self.size -= len(expired)
         return expired
 
     def next_batch(self, now: float) -> tuple[list[Pending], str] | None:
-        due: list[tuple[float, Hashable, str]] = []
-        for key, queue in self.buckets.items():
-            trigger = self._trigger(queue, now)
+        """The due bucket whose best item ranks first (highest priority, then oldest), and its
+        best-ranked items up to max_batch_size."""
+        due: list[tuple[float, int, Hashable, str]] = []
+        for key, heap in self.buckets.items():
+            trigger = self._trigger(heap, now)
             if trigger:
-                due.append((queue[0].arrived, key, trigger))
+                due.append((heap[0][0], heap[0][1], key, trigger))
         if not due:
             return None
-        _, key, trigger = min(due, key=lambda d: d[0])
-        queue = self.buckets[key]
-        batch = [queue.popleft() for _ in range(min(self.max_batch_size, len(queue)))]
-        self._set(key, queue)
+        *_, key, trigger = min(due, key=lambda d: (d[0], d[1]))
+        heap = self.buckets[key]
+        batch = [heapq.heappop(heap)[2] for _ in range(min(self.max_batch_size, len(heap)))]
+        self._set(key, heap)
         self.size -= len(batch)
         return batch, trigger
 
     def wake_at(self) -> float | None:
         """The earliest time a bucket can become due or an item can expire."""
         times = []
-        for queue in self.buckets.values():
-            head = queue[0]
+        for heap in self.buckets.values():
+            oldest = _oldest(heap)
             if self.mode == "dynamic":
-                times.append(head.arrived + self.max_wait_s)
+                times.append(oldest + self.max_wait_s)
             elif self.mode == "static":
-                times.append(head.arrived + self.static_timeout_s)
-            times.append(min(p.deadline for p in queue))
+                times.append(oldest + self.static_timeout_s)
+            times.extend(e[2].deadline for e in heap if e[2].expires)
         return min(times) if times else None
 
-    def _trigger(self, queue: deque[Pending], now: float) -> str | None:
-        if self.mode == "off" or len(queue) >= self.max_batch_size:
+    def _trigger(self, heap: list[Entry], now: float) -> str | None:
+        if self.mode == "off" or len(heap) >= self.max_batch_size:
             return "full"
         # Same expressions as wake_at(), so a wake-up at that instant always finds it due.
-        oldest = queue[0].arrived
+        # The wait is the oldest item's, whatever its priority: every item keeps max_wait.
+        oldest = _oldest(heap)
         if self.mode == "dynamic" and now >= oldest + self.max_wait_s:
             return "max_wait"
         if self.mode == "static" and now >= oldest + self.static_timeout_s:
             return "timeout"
         return None
 
-    def _set(self, key: Hashable, queue: deque[Pending]) -> None:
-        if queue:
-            self.buckets[key] = queue
+    def _set(self, key: Hashable, heap: list[Entry]) -> None:
+        if heap:
+            heapq.heapify(heap)
+            self.buckets[key] = heap
         else:
             self.buckets.pop(key, None)
+
+
+def _oldest(heap: list[Entry]) -> float:
+    return min(e[2].arrived for e in heap)
 
 
 class DynamicBatcher:
@@ -143,9 +172,10 @@ class DynamicBatcher:
         executor: Executor,
         metrics: StageMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        aging_s: float = 1.0,
     ) -> None:
         self.name = name
-        self.policy = BatchPolicy.from_settings(settings, model_limit)
+        self.policy = BatchPolicy.from_settings(settings, model_limit, aging_s)
         self.max_queue = settings.max_queue
         self._predict = predict
         self._bucket_key = bucket_key
@@ -168,7 +198,9 @@ class DynamicBatcher:
             except asyncio.CancelledError:
                 pass
 
-    async def submit(self, payload: Any, deadline_wall: float) -> tuple[Any, BatchInfo]:
+    async def submit(
+        self, payload: Any, deadline_wall: float, priority: int = NORMAL_PRIORITY, on_timeout: str = "reject",
+    ) -> tuple[Any, BatchInfo]:
         """Queue one item; resolves with (output, batch info), or raises Expired/ItemFailed."""
         while self.policy.size >= self.max_queue:
             self._space.clear()
@@ -176,7 +208,7 @@ class DynamicBatcher:
         now = self._clock()
         future = asyncio.get_running_loop().create_future()
         deadline = now + (deadline_wall - time.time())
-        self.policy.add(Pending(payload, self._bucket_key(payload), now, deadline, future))
+        self.policy.add(Pending(payload, self._bucket_key(payload), now, deadline, future, priority, on_timeout))
         self._publish_queue()
         self._wakeup.set()
         return await future
@@ -205,6 +237,7 @@ class DynamicBatcher:
     async def _execute(self, batch: list[Pending], trigger: str, now: float) -> None:
         loop = asyncio.get_running_loop()
         oldest_wait = now - min(p.arrived for p in batch)
+        self._observe_waits(batch, now)
         started = time.time()
         try:
             outputs = await loop.run_in_executor(self._executor, self._checked_predict, [p.payload for p in batch])
@@ -246,6 +279,12 @@ class DynamicBatcher:
         self._metrics.batch_wait.labels(self.name).observe(info.oldest_wait_s)
         self._metrics.batch_execute.labels(self.name).observe(info.finished_at - info.started_at)
         self._metrics.batch_flush.labels(self.name, info.trigger).inc()
+
+    def _observe_waits(self, batch: list[Pending], now: float) -> None:
+        if self._metrics is None:
+            return
+        for item in batch:
+            self._metrics.priority_wait.labels("inference", str(item.priority)).observe(now - item.arrived)
 
     def _publish_queue(self) -> None:
         if self.policy.size < self.max_queue:

@@ -142,6 +142,7 @@ class StageRuntime:
         self.admission = DownstreamAdmission(
             high=self.settings.downstream_lag_high,
             low=self.settings.downstream_lag_low,
+            aging_s=self.settings.scheduling.aging_s,
             gate=self.gate,
             assigned=self._assigned_inputs,
             shedding=lambda: stage.shedding,
@@ -181,9 +182,11 @@ class StageRuntime:
 
     async def _on_revoked(self, app: Any, revoked: Any, **_: Any) -> None:
         self.gate.forget(revoked)
+        self.stage.assigned = self.stage.assigned - {tp.partition for tp in revoked if tp.topic == self.stage.input_topics[0]}
 
     async def _on_assigned(self, app: Any, assigned: Any, **_: Any) -> None:
         log.info("stage %s assigned %s", self.stage.name, sorted(f"{tp.topic}/{tp.partition}" for tp in assigned))
+        self.stage.assigned = frozenset(tp.partition for tp in self._assigned_inputs())
         if self.ready_file is not None and not self.ready_file.exists():
             self.ready_file.write_text(str(os.getpid()))
 
@@ -226,7 +229,7 @@ class StageRuntime:
             self.admission.refresh()
 
     async def _produce(self, out: Outgoing) -> asyncio.Future[Any]:
-        return await self.app.producer.send(out.topic, out.key, out.value, None, None, None)
+        return await self.app.producer.send(out.topic, out.key, out.value, out.partition, None, None)
 
     async def _after_send(self, outgoing: list[Outgoing]) -> None:
         try:
@@ -235,8 +238,8 @@ class StageRuntime:
             log.warning("stage %s: after-send step failed: %s", self.stage.name, exc)
 
     # Lag and admission ----------------------------------------------------------------------
-    async def _admit(self, message: Incoming) -> bool:
-        return await self.admission.wait_for_room(message.partition, message.offset)
+    async def _admit(self, message: Incoming, priority: int) -> bool:
+        return await self.admission.wait_for_room(message.partition, message.offset, priority)
 
     def _assigned_inputs(self) -> list[Any]:
         input_topic = self.stage.input_topics[0]
@@ -262,7 +265,9 @@ class StageRuntime:
                 topic, downstream_group = self._downstream
                 rows = await self._lag_reader.read(downstream_group, [topic])
                 self._export_lag(downstream_group, rows)
-                self.admission.update({row.partition: row.lag for row in rows})
+                lag = {row.partition: row.lag for row in rows}
+                self.stage.observe_downstream_lag(lag)
+                self.admission.update(lag)
         except Exception as exc:  # telemetry and throttling must never kill the stage
             log.warning("lag read failed: %r", exc)
 

@@ -77,6 +77,21 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**client_kwargs(settings), **options)
 
 
+def groupless_consumer(settings: Settings, *topics: str, offset_reset: str) -> AIOKafkaConsumer:
+    """A consumer without a group (every reader sees every record), sized for the largest
+    message; subscribed to `topics`, or to none when the caller assigns partitions itself."""
+    return AIOKafkaConsumer(
+        *topics,
+        **client_kwargs(settings),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset=offset_reset,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        max_partition_fetch_bytes=settings.max_message_bytes,
+        fetch_max_bytes=settings.max_message_bytes * 2,
+    )
+
+
 async def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> None:
     """Create every pipeline topic if missing (idempotent; safe from every process)."""
     names = TopicNames(settings.topic_prefix)

@@ -98,6 +98,31 @@ class StageMetrics:
             "mm_end_to_end_seconds", "Job creation to stored result, by job modality and status",
             ["modality", "status"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        # Scheduling: waits and latency per priority level (0 = high), routing onto `ready`.
+        self.priority_wait = Histogram(
+            "mm_priority_queue_wait_seconds", "Wait of an item for a worker or a batch, by priority level",
+            ["stage", "priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.priority_end_to_end = Histogram(
+            "mm_priority_end_to_end_seconds", "Job creation to stored result, by priority level and status",
+            ["priority", "status"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.late = Counter("mm_late_total", "Items run after their deadline (on_timeout = run_late)", ["stage"], registry=r)
+        self.route_decisions = Counter(
+            "mm_route_decisions_total", "Work items the router placed, by ready-topic partition",
+            ["partition"], registry=r,
+        )
+        self.route_flips = Counter(
+            "mm_route_flips_total", "Times the router's preferred partition changed (rate() = flips/s)", registry=r,
+        )
+        self.route_expected_wait = Gauge(
+            "mm_route_expected_wait_seconds", "The router's expected wait per ready partition (lag x service time)",
+            ["model", "partition"], registry=r,
+        )
+        self.route_measured_wait = Gauge(
+            "mm_route_measured_wait_seconds", "Queue wait the owning inference worker last reported per partition",
+            ["partition"], registry=r,
+        )
         self.buffer_full = Counter(
             "mm_topic_buffer_full_total", "Faust's per-topic buffer filled (fetching paused)", ["stage"], registry=r,
         )

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from mmpipe.schemas import JobStatus, ModelRef, Prediction, to_json
+from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.kafka import stage_input_topics
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.topics import TopicNames
 
-Admit = Callable[["Incoming"], Awaitable[bool]]
+Admit = Callable[["Incoming", int], Awaitable[bool]]
 
 
 class TransientError(Exception):
@@ -39,6 +40,7 @@ class Outgoing(NamedTuple):
     topic: str
     key: bytes
     value: bytes
+    partition: int | None = None  # placed by a router (streams/routing.py); None: the key's hash
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,12 @@ class Stage(abc.ABC):
         self.topics = TopicNames(settings.topic_prefix)
         self.backlog = 0  # this group's lag, refreshed by the runtime, decremented per message
         self.admit: Admit | None = None  # set by the runtime (admission.py)
+        self.assigned: frozenset[int] = frozenset()  # partitions of the first input topic, kept by the runtime
 
-    async def wait_for_room(self, message: Incoming) -> bool:
+    async def wait_for_room(self, message: Incoming, priority: int = NORMAL_PRIORITY) -> bool:
         """Admission: wait until the next stage has room for this message's work (True), or
-        give up at once when shedding load (False)."""
-        return True if self.admit is None else await self.admit(message)
+        give up at once when shedding load (False); higher priorities take room first."""
+        return True if self.admit is None else await self.admit(message, priority)
 
     @property
     def shedding(self) -> bool:
@@ -106,16 +109,20 @@ class Stage(abc.ABC):
     async def after_send(self, outgoing: list[Outgoing]) -> None:
         """Called once the broker acknowledged every output, before the input is acked."""
 
+    def observe_downstream_lag(self, lag: dict[int, int]) -> None:
+        """The next stage's lag per partition of this stage's output, at each read-out."""
+
     # Helpers for subclasses ------------------------------------------------------------
     def answer_without_work(self, status: str, *, job_id: str, part: int, parts: int, kind: str, modality: str,
-                            model: ModelRef, created_at: float, trace: dict[str, float], detail: str) -> Outgoing:
+                            model: ModelRef, created_at: float, trace: dict[str, float], detail: str,
+                            priority: int = NORMAL_PRIORITY) -> Outgoing:
         """Answer an item as expired (deadline passed) or rejected (overload): no work is done,
         the answer goes straight to the sink, which decides the whole job with it."""
         counter = self.metrics.expired if status == "expired" else self.metrics.rejected
         counter.labels(self.name).inc()
         prediction = Prediction(
             job_id=job_id, part=part, parts=parts, kind=kind, modality=modality, model=model,
-            status=status, created_at=created_at, trace=trace, error=detail,
+            status=status, created_at=created_at, trace=trace, error=detail, priority=priority,
         )
         return Outgoing(self.topics.predictions, job_id.encode(), to_json(prediction))
 

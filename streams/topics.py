@@ -4,9 +4,12 @@
        │                  │                      │                       ▲                 (compacted)
        └──────────────────┴──────────────────────┴──▶ dead-letter ───────┘
     every stage ──▶ status ──▶ sink (job status table)
+    inference ──▶ workers ──▶ preprocess's router (compacted; only with scheduling.routing)
 
 All keys are job IDs, so every message of one job lands on the same partition of each topic,
-and the sink that assembles a job's parts sees all of them.
+and the sink that assembles a job's parts sees all of them. With routing on, preprocess picks
+the `ready` partition itself (parts of one job may run on different inference workers); the
+predictions are still keyed by job ID, so the sink still assembles them.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ PREDICTIONS = TopicSpec("predictions", "per-part model outputs (Prediction JSON)
 RESULTS = TopicSpec("results", "one result per job_id (JobResult JSON)", compacted=True)
 DEAD_LETTER = TopicSpec("dead-letter", "input that cannot be processed, with a reason")
 STATUS = TopicSpec("status", "job state transitions reported by the stages", compacted=True)
+WORKERS = TopicSpec("workers", "inference workers' state for routing onto ready (WorkerState JSON)", compacted=True)
 
-ALL_TOPICS = (EVENTS, DECODED, READY, PREDICTIONS, RESULTS, DEAD_LETTER, STATUS)
+ALL_TOPICS = (EVENTS, DECODED, READY, PREDICTIONS, RESULTS, DEAD_LETTER, STATUS, WORKERS)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class TopicNames:
     @property
     def status(self) -> str:
         return STATUS.name(self.prefix)
+
+    @property
+    def workers(self) -> str:
+        return WORKERS.name(self.prefix)
 
     def all(self) -> list[tuple[str, TopicSpec]]:
         return [(spec.name(self.prefix), spec) for spec in ALL_TOPICS]

@@ -35,6 +35,26 @@ def test_simulated_batcher_follows_the_policy_rules():
     assert static.p50_ms == pytest.approx(100 + 12)
 
 
+def test_routing_target_compares_the_routed_pair_with_the_healthy_pair_of_the_same_run():
+    from mmpipe.harness.bench import targets
+
+    def run(delays, routing, p99, throughput=5.0):
+        stats = {"e2e_ms": {"p99": p99}, "throughput": throughput, "breakdown_ms": {"execute_ms": 1.0}, "ok": 1}
+        resources = {"cpu_cores": {}, "wall_s": 1.0, "machine_busy_cores": 1.0, "machine_cores": 2, "other_busy_cores": 0.0}
+        return {"scenario": "degraded", "label": "dyn", "topology": {"delays_ms": delays, "routing": routing},
+                "stats": stats, "resources": resources}
+
+    result = {"policies": {"headline": {"label": "dyn"}}, "model_alone": {"points": []},
+              "runs": [run([0, 0], False, 1000), run([0, 80], False, 4500), run([0, 80], True, 1400)]}
+    check = targets._routing(result)
+    assert check["measured"] == pytest.approx(1.4) and check["status"] == "PASS"
+    assert "hash 4500 ms (4.50x)" in check["detail"]
+    result["runs"][2]["stats"]["e2e_ms"]["p99"] = 2000
+    assert targets._routing(result)["status"] == "MISS"
+    result["runs"].pop()
+    assert targets._routing(result) is None  # no routed run: no target
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_tiny_benchmark_run_is_consistent(tmp_path):

@@ -184,3 +184,18 @@ def _publish_to(settings, topic: str, key: bytes, value: bytes) -> None:
             await producer.stop()
 
     asyncio.run(go())
+
+
+def test_timeout_action_rejects_or_runs_late_a_job_past_its_deadline(shared_pipeline):
+    settings = shared_pipeline.settings
+    rejected = make_event("text", text="too late, reject me", deadline_s=-1.0)
+    late = make_event("text", text="too late, run me anyway", deadline_s=-1.0, on_timeout="run_late", priority=0)
+    in_time = make_event("text", text="in time", priority=2)
+    results = wait_for_results(settings, publish(settings, [rejected, late, in_time]))
+    assert results[rejected.job_id].status == "expired" and not results[rejected.job_id].late
+    assert results[rejected.job_id].error["code"] == "deadline_exceeded"
+    ran_late = results[late.job_id]
+    assert ran_late.status == "ok" and ran_late.late and ran_late.priority == 0
+    assert len(ran_late.prediction["embedding"]) == 384
+    assert results[in_time.job_id].status == "ok" and not results[in_time.job_id].late
+    assert results[in_time.job_id].priority == 2

@@ -179,7 +179,7 @@ def admission(shedding: bool = False, high: int = 4, low: int = 1) -> tuple[Down
     gate, sleep = FakeGate(), FakeSleep()
     tps = [SimpleNamespace(topic="mm.events", partition=p) for p in range(2)]
     flags = {"shedding": shedding}
-    adm = DownstreamAdmission(high=high, low=low, gate=gate, assigned=lambda: tps,  # type: ignore[arg-type]
+    adm = DownstreamAdmission(high=high, low=low, aging_s=1.0, gate=gate, assigned=lambda: tps,  # type: ignore[arg-type]
                               shedding=lambda: flags["shedding"], sleep=sleep)
     adm.flags = flags  # type: ignore[attr-defined]
     return adm, gate, sleep

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from mmpipe.stages.decode.inputs import read_payload
@@ -25,6 +25,7 @@ from mmpipe.schemas import MediaEvent, Refused, WorkItem, decode_event, encode_w
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.faults import crash_point
 from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.priority import deadline_verdict
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 
@@ -52,10 +53,10 @@ class DecodeStage(Stage):
         started = message.received_at
         deadline = event.deadline or event.created_at + self.settings.default_deadline_s
         self.backlog = max(self.backlog - 1, 0)
-        if time.time() > deadline:
+        if deadline_verdict(time.time(), deadline, event.on_timeout) == "expire":
             return [self._answer(event, "expired", started, f"deadline {deadline:.3f} passed before decode")]
         frame_spec = self._resolve(event)
-        if not await self.wait_for_room(message):
+        if not await self.wait_for_room(message, event.priority):
             detail = (f"overloaded: {self.backlog} jobs wait for decode (max_backlog "
                       f"{self.settings.max_backlog}) and the next stage is full; retry later")
             return [self._answer(event, "rejected", started, detail)]
@@ -132,6 +133,8 @@ class DecodeStage(Stage):
                 trace=dict(trace),
                 meta={**meta, "payload_digest": digest},
                 tensors=tensors,
+                priority=event.priority,
+                on_timeout=event.on_timeout,
             )
             for index, (kind, part_spec, tensors, meta) in enumerate(parts)
         ]
@@ -149,4 +152,5 @@ class DecodeStage(Stage):
             created_at=event.created_at,
             trace={"created": event.created_at, "decode_in": started},
             detail=detail,
+            priority=event.priority,
         )

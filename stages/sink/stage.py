@@ -73,6 +73,8 @@ class SinkStage(Stage):
             crash_point(self.settings, "sink.after_commit", final.result.job_id)  # stored, not published
             result = final.result
             self.metrics.end_to_end.labels(result.modality, result.status).observe(result.timings.end_to_end_ms / 1000)
+            self.metrics.priority_end_to_end.labels(str(result.priority), result.status).observe(
+                result.timings.end_to_end_ms / 1000)
         return [Outgoing(self.topics.results, final.result.job_id.encode(), to_json(final.result))]
 
     async def after_send(self, outgoing: list[Outgoing]) -> None:
@@ -139,6 +141,8 @@ def assemble(parts: list[Prediction]) -> JobResult:
         created_at=first.created_at,
         completed_at=completed,
         parts=first.parts,
+        priority=first.priority,
+        late=any(p.late for p in parts),
         weights="random" if any(p.weights == "random" for p in parts) else first.weights,
     )
     if unanswered:

@@ -69,9 +69,11 @@ class Policy:
 
 @dataclass(frozen=True)
 class Topology:
-    """How many inference replicas, and how much slower each is (0 = healthy)."""
+    """How many inference replicas, how much slower each is (0 = healthy), and whether
+    preprocess routes work onto them by expected wait (streams/routing.py) or by hash."""
 
     inference_delays_ms: tuple[float, ...] = (0.0,)
+    routing: bool = False
 
     @property
     def replicas(self) -> int:
@@ -127,16 +129,21 @@ class BenchPipeline:
         self.pipeline.stop()
 
     def set_policy(self, policy: Policy, topology: Topology = Topology(), timeout_s: float = 300.0) -> bool:
-        """Restart the inference replicas with this policy; False if it was already in force."""
+        """Restart the inference replicas with this policy (and preprocess too when routing
+        changes: it runs the router); False if it was already in force."""
         if policy == self.policy and topology == self.topology:
             return False
-        for proc in [p for p in self.pipeline.processes if p.stage == "inference"]:
+        restart = {"inference"} | ({"preprocess"} if topology.routing != self.topology.routing else set())
+        preprocess_replicas = sum(1 for p in self.pipeline.processes if p.stage == "preprocess")
+        for proc in [p for p in self.pipeline.processes if p.stage in restart]:
             if proc.alive():
-                self.pipeline.kill("inference", proc.index, signal.SIGTERM)  # leave the group cleanly
+                self.pipeline.kill(proc.stage, proc.index, signal.SIGTERM)  # leave the group cleanly
             self.pipeline.processes.remove(proc)
             self.sampler.unwatch(proc.name)
         self._apply(policy, topology)
         new = [self.pipeline.spawn("inference", i) for i in range(topology.replicas)]
+        if "preprocess" in restart:
+            new += [self.pipeline.spawn("preprocess", i) for i in range(preprocess_replicas)]
         self.pipeline.wait_ready(timeout_s, new)
         self.policy, self.topology = policy, topology
         self._watch_all()
@@ -144,7 +151,9 @@ class BenchPipeline:
 
     def _apply(self, policy: Policy, topology: Topology) -> None:
         """Settings the next inference processes start with."""
-        self.pipeline.settings = self.settings.model_copy(update={"batching": {self.model: policy.batching()}})
+        scheduling = self.settings.scheduling.model_copy(update={"routing": topology.routing})
+        self.pipeline.settings = self.settings.model_copy(
+            update={"batching": {self.model: policy.batching()}, "scheduling": scheduling})
         for index, delay in enumerate(topology.inference_delays_ms):
             self.pipeline.replica_overrides[("inference", index)] = {"inject_execute_delay_ms": delay}
 

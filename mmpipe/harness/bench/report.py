@@ -81,6 +81,8 @@ def runs_table(result: dict[str, Any]) -> Table:
         scenario = run["scenario"] + (f" x{run['topology']['replicas']}" if run["topology"]["replicas"] > 1 else "")
         if any(run["topology"]["delays_ms"]):
             scenario += " slowed"
+        if run["topology"].get("routing"):
+            scenario += " routed"
         cores = res["cpu_cores"]
         inference = sum(v for k, v in cores.items() if k.startswith("inference"))
         table.add_row(

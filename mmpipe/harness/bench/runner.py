@@ -259,7 +259,8 @@ class Runner:
             self.poisson(policy, TARGET_LOAD)
 
     def degraded(self) -> None:
-        """Two inference replicas; then the second one slowed by degrade_factor x t(b*) per batch."""
+        """Two inference replicas; then the second one slowed by degrade_factor x t(b*) per batch,
+        work placed by hash; then the same slowed pair with lag-aware routing (same arrivals)."""
         assert self.curve is not None
         delay = round(self.cfg.degrade_factor * self.curve.batch_ms(self.curve.best_batch), 1)
         healthy, slowed = Topology((0.0, 0.0)), Topology((0.0, delay))
@@ -267,6 +268,7 @@ class Runner:
         schedule = traffic.poisson(rate, self.cfg.degraded_s, self.cfg.seed, self.cfg.modality)
         plan = [(self.policies["headline"], healthy)]
         plan += [(self.policies[name if name != "dynamic" else "headline"], slowed) for name in ("off", "dynamic") if name in self.cfg.policies]
+        plan.append((self.policies["headline"], Topology((0.0, delay), routing=True)))
         for policy, topology in plan:
             self.use(policy, topology)
             self.execute(schedule, "degraded", policy, load=TARGET_LOAD, rate=rate, topology=topology)
@@ -286,7 +288,8 @@ class Runner:
         figures = stats.run_stats(data.results, data.published, flood)
         run = {
             "tag": tag, "scenario": kind, "policy": asdict(policy), "label": policy.label,
-            "topology": {"replicas": topology.replicas, "delays_ms": list(topology.inference_delays_ms)},
+            "topology": {"replicas": topology.replicas, "delays_ms": list(topology.inference_delays_ms),
+                         "routing": topology.routing},
             "load": load, "offered_rate": round(rate, 3) if rate else None,
             "modality": "mixed" if kind == "mixed" else self.cfg.modality,
             "stats": figures, "lag_peak": data.lag_peak, "send_lag_ms": data.send_lag_ms,

@@ -15,10 +15,12 @@ DECODE = 0.8  # decode_video frame rate over a bare PyAV loop
 # Below this model-alone gain the "share of the gain" is mostly measurement noise; the check
 # becomes pipeline gain >= GAIN_CAPTURE x model gain instead.
 MIN_GAIN = 1.05
+ROUTED_P99 = 1.5  # degraded pair with routing: p99 over the healthy pair's p99 (same run)
 
 
 def evaluate(result: dict[str, Any], memory_budget_bytes: int) -> list[dict[str, Any]]:
-    checks = [_gain_capture(result), _p99_bound(result), _overhead(result), _decode(result), _memory(result, memory_budget_bytes)]
+    checks = [_gain_capture(result), _p99_bound(result), _overhead(result), _decode(result), _memory(result, memory_budget_bytes),
+              _routing(result)]
     return [c for c in checks if c is not None]
 
 
@@ -41,6 +43,24 @@ def find_run(result: dict[str, Any], scenario: str, label: str, load: float | No
         if run["scenario"] == scenario and run["label"] == label and (load is None or abs((run["load"] or 0) - load) < 1e-9):
             return run
     return None
+
+
+def _routing(result: dict[str, Any]) -> dict[str, Any] | None:
+    """Degraded scenario: the slowed pair with routing against the healthy pair, and against the
+    slowed pair placed by hash, all with the headline policy and the same arrivals."""
+    runs = [r for r in result["runs"] if r["scenario"] == "degraded" and r["label"] == result["policies"]["headline"]["label"]]
+    healthy = next((r for r in runs if not any(r["topology"]["delays_ms"])), None)
+    hashed = next((r for r in runs if any(r["topology"]["delays_ms"]) and not r["topology"].get("routing")), None)
+    routed = next((r for r in runs if r["topology"].get("routing")), None)
+    if healthy is None or routed is None:
+        return None
+    base = healthy["stats"]["e2e_ms"]["p99"]
+    ratio = routed["stats"]["e2e_ms"]["p99"] / base if base else None
+    detail = (f"degraded pair, p99: healthy {base:.0f} ms, routed {routed['stats']['e2e_ms']['p99']:.0f} ms"
+              + (f", hash {hashed['stats']['e2e_ms']['p99']:.0f} ms ({hashed['stats']['e2e_ms']['p99'] / base:.2f}x)" if hashed and base else "")
+              + f"; throughput routed {routed['stats']['throughput']:.2f} vs healthy {healthy['stats']['throughput']:.2f} jobs/s")
+    return _check("degraded p99 with routing / healthy p99", ratio, ROUTED_P99, None if ratio is None else ratio <= ROUTED_P99,
+                  detail, bottleneck(routed, result))
 
 
 def _check(name: str, measured: float | None, threshold: float, passed: bool | None, detail: str, holds_back: dict | None = None, unit: str = "") -> dict[str, Any]:

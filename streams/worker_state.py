@@ -1,0 +1,135 @@
+"""The execution side's report for routing: each inference worker publishes its WorkerState to
+the compacted `workers` topic (keyed by worker) every worker_state_interval_s, and every
+router reads that topic from the beginning without a group, so it sees every worker.
+
+ServiceClock is the worker's measurement: seconds per item (EWMA of batch time / batch size)
+and the queue wait per ready partition (EWMA of produce-to-batch-start)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiokafka.errors import KafkaError
+
+from mmpipe.schemas import BadMessage, to_json
+from mmpipe.schemas.codec import from_json
+from mmpipe.schemas.events import WorkerState
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.kafka import groupless_consumer, make_producer
+from mmpipe.streams.topics import TopicNames
+
+log = logging.getLogger(__name__)
+
+EWMA_WEIGHT = 0.2  # of the newest sample: smooths one odd batch, follows a change in ~5 batches
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else old + EWMA_WEIGHT * (sample - old)
+
+
+@dataclass
+class ServiceClock:
+    """What the worker measures of itself, reported as-is (the router decides what it means)."""
+
+    item_s: float | None = None
+    waits_s: dict[int, float] = field(default_factory=dict)
+
+    def item_done(self, batch_seconds: float, batch_size: int) -> None:
+        """One item finished in a batch of batch_size that took batch_seconds."""
+        self.item_s = _ewma(self.item_s, batch_seconds / max(batch_size, 1))
+
+    def waited(self, partition: int, seconds: float) -> None:
+        self.waits_s[partition] = _ewma(self.waits_s.get(partition), max(seconds, 0.0))
+
+
+class _Background:
+    """One task of the stage's event loop, started with the stage and cancelled at its stop."""
+
+    _task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class WorkerReporter(_Background):
+    """Publishes this worker's state periodically; `snapshot` says what it is right now."""
+
+    def __init__(self, settings: Settings, snapshot: Callable[[], WorkerState]) -> None:
+        self.settings = settings
+        self.snapshot = snapshot
+        self.topic = TopicNames(settings.topic_prefix).workers
+
+    async def _run(self) -> None:
+        producer = make_producer(self.settings)
+        await producer.start()
+        try:
+            while True:
+                state = self.snapshot()
+                try:
+                    await producer.send_and_wait(self.topic, to_json(state), key=state.worker.encode())
+                except KafkaError as exc:  # the next report will do; routing tolerates stale state
+                    log.info("worker state not published: %s", exc)
+                await asyncio.sleep(self.settings.scheduling.worker_state_interval_s)
+        finally:
+            await producer.stop()
+
+
+class WorkerStateFeed(_Background):
+    """Follows the `workers` topic and hands every report to `observe` (the router's)."""
+
+    def __init__(self, settings: Settings, observe: Callable[[WorkerState], None]) -> None:
+        self.settings = settings
+        self.observe = observe
+        self.topic = TopicNames(settings.topic_prefix).workers
+
+    async def _run(self) -> None:
+        while True:  # the broker may not be up yet, or may restart: keep following
+            consumer = groupless_consumer(self.settings, self.topic, offset_reset="earliest")
+            try:
+                await consumer.start()
+                await self._follow(consumer)
+            except KafkaError as exc:
+                log.info("worker state feed interrupted: %s; reconnecting", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await consumer.stop()
+
+    async def _follow(self, consumer: object) -> None:
+        while True:
+            batch = await consumer.getmany(timeout_ms=1000)  # type: ignore[attr-defined]
+            for records in batch.values():
+                for record in records:
+                    self._deliver(record.value)
+
+    def _deliver(self, value: bytes | None) -> None:
+        if value is None:
+            return  # a tombstone
+        try:
+            self.observe(from_json(value, WorkerState))
+        except BadMessage as exc:  # a newer or broken writer: ignore it, keep routing on the rest
+            log.warning("unreadable worker state ignored: %s", exc)
+
+
+def snapshot(worker: str, partitions: set[int], ready: bool, models: list[str], clock: ServiceClock) -> WorkerState:
+    return WorkerState(
+        worker=worker, partitions=sorted(partitions), ready=ready, models=models, item_s=clock.item_s,
+        waits_s={str(p): round(w, 6) for p, w in clock.waits_s.items()}, at=time.time(),
+    )
