@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     # The embedded broker holds a fetch for its whole max wait even when data is there,
     # so this bounds per-hop latency when traffic is light.
     fetch_max_wait_ms: int = 20
+    # An idle stage consumer (no records for fetch_idle_after_s) doubles that wait per empty
+    # fetch up to this, and drops back on the first records: idle stages stop polling 50 times
+    # a second, and the first job after a quiet spell pays up to about this much per hop.
+    fetch_idle_max_wait_ms: int = Field(500, ge=1)
+    fetch_idle_after_s: float = Field(1.0, ge=0.0)
     commit_interval_s: float = 0.5
     max_message_bytes: int = 32 * 1024 * 1024
     # One record per producer batch. The embedded broker (Tansu) answers ListOffsets with the
@@ -135,6 +140,9 @@ class Settings(BaseSettings):
     # local tools such as the benchmark bind loopback only.
     metrics_host: str = "0.0.0.0"
     lag_interval_s: float = 0.5  # lag read-out, downstream bound and admission refresh
+    # While the stage fetched nothing since a read-out that found no lag anywhere, the lag
+    # cannot have grown unseen by more than what the next fetch brings: read it this often.
+    lag_idle_interval_s: float = Field(10.0, ge=0.0)
     log_level: str = "warn"
 
     # --- Job API --------------------------------------------------------------------------

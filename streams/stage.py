@@ -33,6 +33,7 @@ from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Prediction, peek_header, to_json
 from mmpipe.streams import transport
 from mmpipe.streams.backpressure import PartitionGate
+from mmpipe.streams.fetch_wait import LagReadSchedule
 from mmpipe.streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
 from mmpipe.streams.metrics import StageMetrics, StageMonitor, serve_metrics
 from mmpipe.streams.topics import TopicNames
@@ -161,7 +162,7 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float) -> float:
 
 
 def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
-    scheme = transport.register(settings.fetch_max_wait_ms)
+    scheme = transport.register(settings.fetch_max_wait_ms, settings.fetch_idle_max_wait_ms, settings.fetch_idle_after_s)
     datadir = settings.state_path("faust")
     datadir.mkdir(parents=True, exist_ok=True)
     return faust.App(
@@ -238,6 +239,7 @@ class StageRuntime:
         self.app.task(self._on_startup)
         self.app.on_before_shutdown.connect(self._on_shutdown)
         self._lag_reader: LagReader | None = None
+        self._lag_schedule = LagReadSchedule(self.settings.lag_idle_interval_s)
         self._downstream = downstream_of(self.settings, stage.name)  # (topic, group) or None
         self._downstream_lag: dict[int, int] = {}  # per output partition, see _count_downstream
         self._admitting: Counter[int] = Counter()  # admitted messages whose output is not sent yet
@@ -370,6 +372,8 @@ class StageRuntime:
     async def _watch_lag(self) -> None:
         """Export this group's lag, feed the stage's backlog estimate, and hold partitions
         while the next stage lags too far behind on this stage's output."""
+        if not self._lag_schedule.due(transport.FETCH_WAIT, time.monotonic()):
+            return  # idle with no lag anywhere: the last figures still hold
         try:
             if self._lag_reader is None:
                 self._lag_reader = LagReader(self.settings)
@@ -378,6 +382,7 @@ class StageRuntime:
             self._export_lag(group, rows)
             self.stage.backlog = sum(row.lag for row in rows)
             await self._apply_downstream_bound()
+            self._lag_schedule.read(self.stage.backlog + sum(self._downstream_lag.values()), time.monotonic())
         except Exception as exc:  # telemetry and throttling must never kill the stage
             log.warning("lag read failed: %r", exc)
 
