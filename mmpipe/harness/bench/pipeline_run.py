@@ -142,6 +142,17 @@ class BenchPipeline:
         self._watch_all()
         return True
 
+    def restart_stages(self, overrides: dict[str, Any], timeout_s: float = 300.0) -> None:
+        """Restart every stage process (not the broker) with these settings changed."""
+        for proc in list(self.pipeline.processes):
+            if proc.alive():
+                self.pipeline.kill(proc.stage, proc.index, signal.SIGTERM)
+            self.sampler.unwatch(proc.name)
+        self.pipeline.settings = self.settings.model_copy(update=overrides)
+        new = [self.pipeline.spawn(proc.stage, proc.index) for proc in list(self.pipeline.processes)]
+        self.pipeline.wait_ready(timeout_s, new)
+        self._watch_all()
+
     def _apply(self, policy: Policy, topology: Topology) -> None:
         """Settings the next inference processes start with."""
         self.pipeline.settings = self.settings.model_copy(update={"batching": {self.model: policy.batching()}})
@@ -161,7 +172,7 @@ class BenchPipeline:
         self.sampler.begin()
         published, sent_at, send_lag, lag_peak = asyncio.run(self._publish(schedule, workload, tag, timeout_s, outstanding))
         resources = self.sampler.end()
-        results = self._fetch(tag)
+        results = self.fetch(tag)
         return RunData(
             results=results,
             published=published,
@@ -243,7 +254,7 @@ class BenchPipeline:
         with self._read() as conn:
             return conn.execute("SELECT COUNT(*) FROM results WHERE job_id >= ? AND job_id < ?", _ids_of(tag)).fetchone()[0]
 
-    def _fetch(self, tag: str) -> list[JobResult]:
+    def fetch(self, tag: str) -> list[JobResult]:
         with self._read() as conn:
             rows = conn.execute("SELECT body FROM results WHERE job_id >= ? AND job_id < ?", _ids_of(tag)).fetchall()
         return [load_result(body) for (body,) in rows]
