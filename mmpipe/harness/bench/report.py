@@ -128,7 +128,7 @@ def efficiency_table(eff: dict[str, Any]) -> Table:
         table.add_column(f"{names[0]}/{other}", justify="right")
     for label, values in efficiency_rows(eff):
         ratios = [_ratio(values[0], v) for v in values[1:]]
-        table.add_row(label, *(_num(v, 1) for v in values), *ratios)
+        table.add_row(label, *(_num(v, 2 if label.startswith("other") else 1) for v in values), *ratios)
     return table
 
 
@@ -146,7 +146,8 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
 
     procs = sorted({p for v in variants for p in v["idle_ms_per_s"]} | {p for v in variants for p in v["saturation"]["cpu"]["per_process_ms"]})
     topics = sorted({t for v in variants for t in v["bytes_per_job"]})
-    rows = [row(f"idle CPU ms/s {p}", lambda v, p=p: v["idle_ms_per_s"][p]) for p in procs]
+    rows = [row(f"other users' cores during {w}", lambda v, w=w: v["other_busy_cores"][w]) for w in ("idle", "light_load", "saturation")]
+    rows += [row(f"idle CPU ms/s {p}", lambda v, p=p: v["idle_ms_per_s"][p]) for p in procs]
     rows += [
         row("p50 e2e ms at 30% load", lambda v: v["light_load"]["p50_ms"]),
         row("first job after idle, e2e ms", lambda v: v["light_load"]["first_job_ms"]),

@@ -297,7 +297,8 @@ class Runner:
             time.sleep(cfg.idle_settle_s)  # consumers back off after fetch_idle_after_s
             self.sampler.begin()
             time.sleep(cfg.idle_s)
-            idle = efficiency.idle_ms_per_s(self.sampler.end())
+            idle_window = self.sampler.end()
+            idle = efficiency.idle_ms_per_s(idle_window)
         self.say(f"{variant}: idle CPU ms/s " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
         rate = self.rate_at(efficiency.IDLE_LOAD)
         schedule = traffic.poisson(rate, cfg.poisson_s, cfg.seed, cfg.modality)
@@ -311,6 +312,9 @@ class Runner:
             "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s")},
             "idle_s": cfg.idle_s,
             "idle_ms_per_s": idle,
+            # Other users of a shared machine, in cores: the figures beside them are only as clean as these.
+            "other_busy_cores": {"idle": idle_window["other_busy_cores"], "light_load": light["resources"]["other_busy_cores"],
+                                 "saturation": flood["resources"]["other_busy_cores"]},
             "light_load": {"rate": round(rate, 3), "p50_ms": light["stats"]["e2e_ms"]["p50"],
                            "first_job_ms": efficiency.first_job_ms(self.bench.fetch(light["tag"]))},
             "saturation": {
