@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 from mmpipe.schemas.settings import SETTINGS_FILE_ENV, Settings, write_settings
+from mmpipe.streams.affinity import pipeline_cpus
 from mmpipe.streams.broker import EmbeddedBroker, free_port
 from mmpipe.streams.kafka import ensure_topics
 from mmpipe.streams.topology import PIPELINE, metrics_port
@@ -62,7 +63,8 @@ class Pipeline:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.embedded_broker:
             port = int(self.settings.bootstrap.rsplit(":", 1)[1]) if ":" in self.settings.bootstrap else 0
-            self.broker = EmbeddedBroker(port=port or free_port(), log_path=self.workdir / "broker.log")
+            cpus = pipeline_cpus(self.settings.model_cpus) if self.settings.model_cpus else None
+            self.broker = EmbeddedBroker(port=port or free_port(), log_path=self.workdir / "broker.log", cpus=cpus)
             self.settings = self.settings.model_copy(update={"bootstrap": self.broker.start()})
         asyncio.run(ensure_topics(self.settings))
         for spec in PIPELINE:

@@ -122,6 +122,10 @@ class Settings(BaseSettings):
     # --- Models and inference -----------------------------------------------------------
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
+    # Cores for the inference stage's model thread alone; every other pipeline thread (the
+    # embedded broker, each stage, the inference stage's event loop) runs on the rest.
+    # Empty: no pinning. E.g. MMPIPE_MODEL_CPUS=1 on a 2-core machine (see streams/affinity.py).
+    model_cpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
     models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2"])
     weights_dir: Path | None = None  # default: <state_dir>/weights
     allow_random_weights: bool = False
@@ -159,6 +163,13 @@ class Settings(BaseSettings):
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
             return [p for p in value.split(":") if p]
+        return value
+
+    @field_validator("model_cpus", mode="before")
+    @classmethod
+    def _split_cpus(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [int(c) for c in value.replace(" ", "").split(",") if c]
         return value
 
     @field_validator("models", mode="before")

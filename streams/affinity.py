@@ -41,11 +41,12 @@ def pin(pid: int, cpus: set[int], what: str) -> None:
         log.warning("could not pin %s to CPUs %s: %s", what, sorted(cpus), exc)
 
 
-def pin_pipeline_process(model_cpus: Iterable[int], pid: int = 0) -> None:
-    """A pipeline process (default: the calling one, before it starts threads, which inherit)."""
+def pin_pipeline_process(model_cpus: Iterable[int]) -> None:
+    """The calling process, every thread it has (imports start some: torch's pools) and, by
+    inheritance, every thread it starts later."""
     model_cpus = set(model_cpus)
     if model_cpus:
-        pin(pid, pipeline_cpus(model_cpus), f"pid {pid or os.getpid()}")
+        pin_threads(os.getpid(), pipeline_cpus(model_cpus), f"pid {os.getpid()}")
 
 
 def pin_model_thread(model_cpus: Iterable[int]) -> None:
@@ -53,3 +54,15 @@ def pin_model_thread(model_cpus: Iterable[int]) -> None:
     model_cpus = set(model_cpus)
     if model_cpus:
         pin(0, model_cpus, "the model thread")
+
+
+def pin_threads(pid: int, cpus: set[int], what: str) -> None:
+    """Move every thread of a running process (a new mask set on the pid alone moves only its
+    main thread); used to re-pin a broker that is already up."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError as exc:
+        log.warning("could not list the threads of %s: %s", what, exc)
+        return
+    for tid in tids:
+        pin(tid, cpus, f"{what} thread {tid}")

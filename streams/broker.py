@@ -31,8 +31,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedBroker:
-    def __init__(self, host: str = "127.0.0.1", port: int = 9092, log_path: Path | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 9092, log_path: Path | None = None,
+                 cpus: set[int] | None = None) -> None:
         self.host = host
+        self.cpus = cpus  # pin the broker (all its threads) to these cores; None: no pinning
         self.port = port or free_port(host)
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
@@ -51,7 +53,8 @@ class EmbeddedBroker:
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
-        self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        preexec_fn=self._pin if self.cpus else None)
         try:
             wait_until_ready(self.bootstrap, timeout_s, self.process)
         except Exception:
@@ -59,6 +62,10 @@ class EmbeddedBroker:
             raise
         log.info("embedded broker (Tansu) on %s, pid %d", self.bootstrap, self.process.pid)
         return self.bootstrap
+
+    def _pin(self) -> None:
+        """In the child before exec: every thread the broker starts inherits the mask."""
+        os.sched_setaffinity(0, self.cpus or set())
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.process is None or self.process.poll() is not None:

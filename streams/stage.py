@@ -31,7 +31,7 @@ from faust.sensors.prometheus import FaustMetrics
 
 from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import BadMessage, DeadLetter, JobStatus, ModelRef, Prediction, peek_header, to_json
-from mmpipe.streams import transport
+from mmpipe.streams import affinity, transport
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.fetch_wait import LagReadSchedule
 from mmpipe.streams.kafka import LagReader, downstream_of, group_id, stage_input_topics
@@ -250,6 +250,7 @@ class StageRuntime:
     # Lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
         """Blocking: load, then join the group and process until SIGINT/SIGTERM."""
+        affinity.pin_pipeline_process(self.settings.model_cpus)  # before any thread starts
         self.stage.setup()
         serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
         worker = faust.Worker(self.app, loglevel=self.settings.log_level, quiet=True)

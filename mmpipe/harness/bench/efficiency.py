@@ -15,6 +15,7 @@ batching policy and every stage process restarted with the variant's settings:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -30,11 +31,16 @@ TOPIC_READ_TIMEOUT_S = 60.0
 
 
 def variants(settings: Settings) -> dict[str, dict[str, Any]]:
-    """Settings overrides per variant; the first is what the pipeline already runs."""
-    return {
-        "adaptive": {},
-        "polling": {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0},
-    }
+    """Settings overrides per variant; the first is what the pipeline already runs. "pinned"
+    adds a core of its own for the model thread (streams/affinity.py) where the machine has
+    cores to spare for the rest."""
+    out: dict[str, dict[str, Any]] = {"adaptive": {}}
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    threads = max(settings.torch_threads, 1)
+    if not settings.model_cpus and settings.device == "cpu" and len(cores) > threads:
+        out["pinned"] = {"model_cpus": cores[-threads:]}
+    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": settings.model_cpus}
+    return out
 
 
 def idle_ms_per_s(resources: dict[str, Any]) -> dict[str, float]:

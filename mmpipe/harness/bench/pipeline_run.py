@@ -28,6 +28,7 @@ from mmpipe.client import Publisher
 from mmpipe.schemas.settings import BatchingSettings, Settings
 from mmpipe.stages.sink.store.base import load_result
 from mmpipe.report import scrape
+from mmpipe.streams import affinity
 from mmpipe.streams.topology import metrics_port
 from mmpipe.supervisor import Pipeline, tail
 from mmpipe.schemas import JobResult
@@ -149,9 +150,19 @@ class BenchPipeline:
                 self.pipeline.kill(proc.stage, proc.index, signal.SIGTERM)
             self.sampler.unwatch(proc.name)
         self.pipeline.settings = self.settings.model_copy(update=overrides)
+        self._pin_broker()
         new = [self.pipeline.spawn(proc.stage, proc.index) for proc in list(self.pipeline.processes)]
         self.pipeline.wait_ready(timeout_s, new)
         self._watch_all()
+
+    def _pin_broker(self) -> None:
+        """The broker outlives stage restarts: give it the cores the new settings leave it."""
+        broker = self.pipeline.broker
+        if broker is None or broker.process is None:
+            return
+        model_cpus = self.settings.model_cpus
+        cpus = affinity.pipeline_cpus(model_cpus) if model_cpus else affinity.pipeline_cpus(())
+        affinity.pin_threads(broker.process.pid, cpus, "the embedded broker")
 
     def _apply(self, policy: Policy, topology: Topology) -> None:
         """Settings the next inference processes start with."""

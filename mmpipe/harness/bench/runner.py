@@ -309,7 +309,7 @@ class Runner:
         figures = flood["stats"]
         alone = self.curve.throughput(max(1, round(figures["mean_batch"])))
         return {
-            "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s")},
+            "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus")},
             "idle_s": cfg.idle_s,
             "idle_ms_per_s": idle,
             # Other users of a shared machine, in cores: the figures beside them are only as clean as these.
