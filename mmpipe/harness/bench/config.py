@@ -25,6 +25,7 @@ class BenchConfig:
     decode_replicas: int = 0  # 0: auto
     preprocess_replicas: int = 0  # 0: auto
     partitions: int = 4
+    model_cpus: str = "auto"  # cores of the inference model thread: auto | none | "1" / "2,3"
     quick: bool = False
 
     # Model alone

@@ -31,16 +31,28 @@ TOPIC_READ_TIMEOUT_S = 60.0
 
 
 def variants(settings: Settings) -> dict[str, dict[str, Any]]:
-    """Settings overrides per variant; the first is what the pipeline already runs. "pinned"
-    adds a core of its own for the model thread (streams/affinity.py) where the machine has
-    cores to spare for the rest."""
+    """Settings overrides per variant; the first ("adaptive") is what the pipeline already runs.
+    Where it pins the model thread to its own cores (streams/affinity.py), "unpinned" is the
+    same without; "polling" is the settings before this work: no idle back-off, lag read twice
+    a second, no pinning."""
     out: dict[str, dict[str, Any]] = {"adaptive": {}}
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    threads = max(settings.torch_threads, 1)
-    if not settings.model_cpus and settings.device == "cpu" and len(cores) > threads:
-        out["pinned"] = {"model_cpus": cores[-threads:]}
-    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": settings.model_cpus}
+    if settings.model_cpus:
+        out["unpinned"] = {"model_cpus": []}
+    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": []}
     return out
+
+
+def model_cores(spec: str, device: str, threads: int) -> list[int]:
+    """The bench's --model-cpus: "auto" gives the model thread(s) the last `threads` cores on a
+    CPU device when cores are left for the rest; "none" pins nothing; else a list "3" / "2,3"."""
+    if spec == "none":
+        return []
+    if spec != "auto":
+        return [int(c) for c in spec.split(",") if c.strip()]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if device != "cpu" or len(cores) <= threads:
+        return []
+    return cores[-threads:]
 
 
 def idle_ms_per_s(resources: dict[str, Any]) -> dict[str, float]:

@@ -39,7 +39,7 @@ from mmpipe.models.torch_util import resolve_device
 REPORTED_SETTINGS = {
     "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
     "stream_buffer_maxsize", "decode_workers", "decode_threads", "inference_workers", "torch_threads",
-    "video_sample_fps", "video_max_frames", "models", "device",
+    "video_sample_fps", "video_max_frames", "models", "device", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus",
 }
 
 
@@ -195,6 +195,7 @@ class Runner:
             allow_random_weights=True,
             device=self.device,
             torch_threads=cfg.threads(),
+            model_cpus=efficiency.model_cores(cfg.model_cpus, self.device, cfg.threads()),
             models=models,
             metrics_host="127.0.0.1",
             log_level="warn",
