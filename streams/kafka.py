@@ -158,8 +158,11 @@ class LagReader:
         if not tps:
             return []
         ends = await consumer.end_offsets(tps)
-        committed = await _committed(consumer, tps)
-        return [PartitionLag(group, tp.topic, tp.partition, ends[tp], committed.get(tp)) for tp in tps]
+        rows = []
+        for tp in tps:
+            committed = await consumer.committed(tp)
+            rows.append(PartitionLag(group, tp.topic, tp.partition, ends[tp], committed))
+        return rows
 
     async def read_stage(self, stage: str) -> list[PartitionLag]:
         """The lag of a stage's group on its input topics."""
@@ -190,14 +193,6 @@ class LagReader:
         if self._admin is not None:
             await self._admin.close()
             self._admin = None
-
-
-async def _committed(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
-    """The group's committed offsets of every partition in one OffsetFetch request (what
-    consumer.committed() sends for a single partition; per partition, a stage's twice-a-second
-    read-out cost one request per partition). Partitions with no commit are left out."""
-    offsets = await consumer._coordinator.fetch_committed_offsets(tps)  # noqa: SLF001
-    return {tp: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
