@@ -21,6 +21,7 @@ from types import TracebackType
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from mmpipe.schemas.settings import SETTINGS_FILE_ENV, Settings, write_settings
+from mmpipe.streams.affinity import pipeline_cpus
 from mmpipe.streams.broker import EmbeddedBroker, free_port
 from mmpipe.streams.children import die_with_parent
 from mmpipe.streams.kafka import ensure_topics
@@ -169,7 +170,8 @@ class Pipeline:
     def _start_broker(self) -> None:
         port = int(self.settings.bootstrap.rsplit(":", 1)[1]) if ":" in self.settings.bootstrap else 0
         log_path = self.workdir / "broker.log"
-        self.broker = EmbeddedBroker(port=port or free_port(), log_path=log_path)
+        cpus = pipeline_cpus(self.settings.model_cpus) if self.settings.model_cpus else None
+        self.broker = EmbeddedBroker(port=port or free_port(), log_path=log_path, cpus=cpus)
         try:
             self.settings = self.settings.model_copy(update={"bootstrap": self.broker.start()})
         except (RuntimeError, TimeoutError) as exc:

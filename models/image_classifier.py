@@ -42,20 +42,14 @@ class ImageClassifierSpec(ModelSpec):
             version=version,
             kind="image",
             description=f"torchvision {arch}, {weights_enum} ({len(self.categories)} classes)",
-            inputs=(TensorSpec("pixels", "float16", (3, crop, crop)),),
+            # uint8 crops travel (half the bytes of float16); the model normalises on its device.
+            inputs=(TensorSpec("pixels", "uint8", (3, crop, crop)),),
             output=f"top-{TOP_K} labels with probabilities",
             decode=DecodeHints(image_short_side=resize),
             max_batch_size=256,
         )
-        mean, std = _normalisation(weights_enum)
-        self._transform = v2.Compose(
-            [
-                v2.Resize(resize, antialias=True),
-                v2.CenterCrop(crop),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(mean=mean, std=std),
-            ]
-        )
+        self.mean, self.std = _normalisation(weights_enum)
+        self._transform = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(crop)])
         self.crop = crop
 
     def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -66,8 +60,7 @@ class ImageClassifierSpec(ModelSpec):
         if min(rgb.shape[:2]) < 8:
             raise BadInput(f"image {rgb.shape[1]}x{rgb.shape[0]} is too small to classify")
         chw = torch.from_numpy(rgb).permute(2, 0, 1)
-        pixels = self._transform(chw)
-        return {"pixels": pixels.to(torch.float16).numpy()}
+        return {"pixels": self._transform(chw).contiguous().numpy()}
 
     def example_input(self) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(0)
@@ -115,12 +108,19 @@ class ImageClassifier(LoadedModel):
         super().__init__(spec, device, weights)
         self.categories = spec.categories
         self.model = model.eval().to(device, memory_format=torch.channels_last)
+        # (x / 255 - mean) / std as one multiply-subtract on the device.
+        std = torch.tensor(spec.std).view(1, 3, 1, 1)
+        self._scale = (1.0 / (255.0 * std)).to(device)
+        self._shift = (torch.tensor(spec.mean).view(1, 3, 1, 1) / std).to(device)
+
+    def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 NCHW crops -> the float input the weights were trained on, on the model's device."""
+        return pixels.to(self.device, non_blocking=True).float().mul_(self._scale).sub_(self._shift)
 
     def predict(self, batch: list[dict[str, np.ndarray]]) -> list[Any]:
         pixels = torch.from_numpy(np.stack([item["pixels"] for item in batch]))
         with inference_context(self.device):
-            pixels = pixels.to(self.device, non_blocking=True).contiguous(memory_format=torch.channels_last)
-            logits = self.model(pixels if self.device != "cpu" else pixels.float())
+            logits = self.model(self.normalise(pixels).contiguous(memory_format=torch.channels_last))
             probs = torch.softmax(logits.float(), dim=1)
             top = torch.topk(probs, TOP_K, dim=1)
         values, indices = top.values.cpu().numpy(), top.indices.cpu().numpy()

@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     # The embedded broker holds a fetch for its whole max wait even when data is there,
     # so this bounds per-hop latency when traffic is light.
     fetch_max_wait_ms: int = 20
+    # An idle stage consumer (no records for fetch_idle_after_s) doubles that wait per empty
+    # fetch up to this, and drops back on the first records: idle stages stop polling 50 times
+    # a second, and the first job after a quiet spell pays up to about this much per hop.
+    fetch_idle_max_wait_ms: int = Field(500, ge=1)
+    fetch_idle_after_s: float = Field(1.0, ge=0.0)
     commit_interval_s: float = 0.5
     max_message_bytes: int = 32 * 1024 * 1024
     # One record per producer batch. The embedded broker (Tansu) answers ListOffsets with the
@@ -147,6 +152,10 @@ class Settings(BaseSettings):
     # --- Models and inference -----------------------------------------------------------
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
+    # Cores for the inference stage's model thread alone; every other pipeline thread (the
+    # embedded broker, each stage, the inference stage's event loop) runs on the rest.
+    # Empty: no pinning. E.g. MMPIPE_MODEL_CPUS=1 on a 2-core machine (see streams/affinity.py).
+    model_cpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
     models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2"])
     weights_dir: Path | None = None  # default: <state_dir>/weights
     allow_random_weights: bool = False
@@ -170,6 +179,9 @@ class Settings(BaseSettings):
     # local tools such as the benchmark bind loopback only.
     metrics_host: str = "0.0.0.0"
     lag_interval_s: float = 0.5  # lag read-out, downstream bound and admission refresh
+    # While the stage fetched nothing since a read-out that found no lag anywhere, the lag
+    # cannot have grown unseen by more than what the next fetch brings: read it this often.
+    lag_idle_interval_s: float = Field(10.0, ge=0.0)
     log_level: str = "warn"
 
     # --- Job API --------------------------------------------------------------------------
@@ -189,6 +201,13 @@ class Settings(BaseSettings):
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
             return [p for p in value.split(":") if p]
+        return value
+
+    @field_validator("model_cpus", mode="before")
+    @classmethod
+    def _split_cpus(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [int(c) for c in value.replace(" ", "").split(",") if c]
         return value
 
     @field_validator("models", "fault_points", mode="before")

@@ -20,6 +20,7 @@ from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, WorkItem, decode_work_item, failed_part, to_json
 from mmpipe.schemas.events import WorkerState
+from mmpipe.streams.affinity import pin_model_thread
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
 from mmpipe.streams.faults import crash_point
 from mmpipe.streams.priority import is_late
@@ -61,7 +62,8 @@ class InferenceStage(Stage):
                 bucket_key=model.spec.bucket_key,
                 settings=self.settings.batching_for(ref.name),
                 model_limit=model.spec.config.max_batch_size,
-                executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}"),
+                executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}", initializer=pin_model_thread,
+                                            initargs=(self.settings.model_cpus,)),
                 metrics=self.metrics,
                 aging_s=self.settings.scheduling.aging_s,
             )

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from collections.abc import Callable
 from types import TracebackType
 
 from mmpipe.streams.retry import poll_until
@@ -51,8 +52,10 @@ def _port_free(port: int, host: str) -> bool:
 
 
 class EmbeddedBroker:
-    def __init__(self, host: str = "127.0.0.1", port: int = 9092, log_path: Path | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 9092, log_path: Path | None = None,
+                 cpus: set[int] | None = None) -> None:
         self.host = host
+        self.cpus = cpus  # pin the broker (all its threads) to these cores; None: no pinning
         self.port = port or free_port(host)
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
@@ -72,10 +75,10 @@ class EmbeddedBroker:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
         # Its own session (a Ctrl-C aimed at the parent's terminal does not reach it), gone with
-        # its parent even when the parent is SIGKILLed.
+        # its parent even when the parent is SIGKILLed, pinned to its cores when given.
         self.process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=die_with_parent(),
+            preexec_fn=self._preexec(),
         )
         try:
             wait_until_ready(self.bootstrap, timeout_s, self.process)
@@ -84,6 +87,21 @@ class EmbeddedBroker:
             raise
         log.info("embedded broker (Tansu) on %s, pid %d", self.bootstrap, self.process.pid)
         return self.bootstrap
+
+    def _preexec(self) -> Callable[[], None] | None:
+        """What runs in the child before exec: the parent-death signal, then the CPU mask
+        (every thread the broker starts inherits it)."""
+        die = die_with_parent()
+        if not self.cpus:
+            return die
+        cpus = self.cpus
+
+        def preexec() -> None:
+            if die is not None:
+                die()
+            os.sched_setaffinity(0, cpus)
+
+        return preexec
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.process is None or self.process.poll() is not None:

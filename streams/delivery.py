@@ -24,10 +24,11 @@ from faust.sensors.prometheus import FaustMetrics
 from prometheus_client import REGISTRY
 
 from mmpipe.schemas.settings import Settings, secret
-from mmpipe.streams import transport
+from mmpipe.streams import affinity, transport
 from mmpipe.streams.admission import DownstreamAdmission
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.failure import FailurePolicy
+from mmpipe.streams.fetch_wait import LagReadSchedule
 from mmpipe.streams.kafka import LagReader, downstream_of, group_id, ssl_context
 from mmpipe.streams.metrics import StageMonitor, serve_metrics
 from mmpipe.streams.poison import PoisonGuard
@@ -41,7 +42,7 @@ Send = Callable[[Outgoing], Awaitable["asyncio.Future[Any]"]]
 
 
 def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
-    scheme = transport.register(settings.fetch_max_wait_ms)
+    scheme = transport.register(settings.fetch_max_wait_ms, settings.fetch_idle_max_wait_ms, settings.fetch_idle_after_s)
     datadir = settings.state_path("faust")
     datadir.mkdir(parents=True, exist_ok=True)
     return faust.App(
@@ -152,6 +153,7 @@ class StageRuntime:
             self.settings.state_path("poison", f"{group_id(self.settings, stage.name)}.db"), self.settings.poison_max_crashes
         )
         self._lag_reader: LagReader | None = None
+        self._lag_schedule = LagReadSchedule(self.settings.lag_idle_interval_s)
         self._tasks: set[asyncio.Task] = set()
         self._started = asyncio.Event()
         channel = self.app.topic(*stage.input_topics, partitions=self.settings.partitions)
@@ -165,6 +167,7 @@ class StageRuntime:
     # Lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
         """Blocking: load, then join the group and process until SIGINT/SIGTERM."""
+        affinity.pin_pipeline_process(self.settings.model_cpus)  # before any thread starts
         self.stage.setup()
         serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
         worker = faust.Worker(self.app, loglevel=self.settings.log_level, quiet=True)
@@ -254,6 +257,8 @@ class StageRuntime:
     async def _watch_lag(self) -> None:
         """Export this group's lag, feed the stage's backlog estimate, and refresh the next
         stage's lag that admission holds partitions on."""
+        if not self._lag_schedule.due(transport.FETCH_WAIT, time.monotonic()):
+            return  # idle with no lag anywhere: the last figures still hold
         try:
             if self._lag_reader is None:
                 self._lag_reader = LagReader(self.settings)
@@ -261,6 +266,7 @@ class StageRuntime:
             rows = await self._lag_reader.read(group, self.stage.input_topics)
             self._export_lag(group, rows)
             self.stage.backlog = sum(row.lag for row in rows)
+            downstream_lag = 0
             if self._downstream is not None:
                 topic, downstream_group = self._downstream
                 rows = await self._lag_reader.read(downstream_group, [topic])
@@ -268,6 +274,8 @@ class StageRuntime:
                 lag = {row.partition: row.lag for row in rows}
                 self.stage.observe_downstream_lag(lag)
                 self.admission.update(lag)
+                downstream_lag = sum(lag.values())
+            self._lag_schedule.read(self.stage.backlog + downstream_lag, time.monotonic())
         except Exception as exc:  # telemetry and throttling must never kill the stage
             log.warning("lag read failed: %r", exc)
 

@@ -17,12 +17,16 @@
    finish messages out of order (a batch answers its items together), so a message still in
    the batcher could be committed, and a SIGKILL then lost it (found by the fault runs: one
    image job per partition lost at an inference kill). See `first_committable_run`.
+5. An idle consumer stops polling 50 times a second: the fetch wait backs off while nothing
+   arrives and snaps back on the first records (see streams/fetch_wait.py); faust's wait for
+   records follows it, so neither thread wakes more often than the broker answers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 import logging
+import time
 from typing import Any
 
 from faust.transport.consumer import ensure_TPset
@@ -32,19 +36,40 @@ from faust.utils.functional import consecutive_numbers
 from faust.transport.drivers import TRANSPORTS
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from mmpipe.streams.fetch_wait import AdaptiveFetchWait
+
 log = logging.getLogger(__name__)
 
 SCHEME = "mmkafka"
-FETCH_MAX_WAIT_MS = {"value": 20}
 IDLE_POLL_S = 0.01
+# One faust app (one stage consumer) per process: register() sets its fetch-wait policy.
+FETCH_WAIT = AdaptiveFetchWait(base_ms=20, idle_max_ms=20, idle_after_s=1.0)
 
 
 class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
     def _create_consumer(self, loop: Any) -> Any:
         consumer = super()._create_consumer(loop)
         # Read by aiokafka when it builds its fetcher in start(), which comes after this.
-        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS["value"]  # noqa: SLF001
+        consumer._fetch_max_wait_ms = FETCH_WAIT.wait_ms  # noqa: SLF001
         return consumer
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT)  # noqa: SLF001
+
+
+def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait) -> None:
+    """Feed every fetch's outcome to `policy` and send the next fetch with its wait. aiokafka
+    builds each fetch request from `_fetch_max_wait_ms` and looks `_proc_fetch_request` up on
+    the instance every round, so both can be set on the running fetcher."""
+    process = fetcher._proc_fetch_request  # noqa: SLF001
+
+    async def proc_fetch_request(assignment: Any, node_id: int, request: Any) -> bool:
+        got_records = await process(assignment, node_id, request)
+        fetcher._fetch_max_wait_ms = policy.after_fetch(got_records, time.monotonic())  # noqa: SLF001
+        return got_records
+
+    fetcher._proc_fetch_request = proc_fetch_request  # noqa: SLF001
 
 
 def first_committable_run(acked: list[int], committed: int | None, lowest_unacked: int | None) -> list[int]:
@@ -79,7 +104,7 @@ class Consumer(faust_aiokafka.Consumer):
     async def _getmany(self, active_partitions: Any, timeout: float) -> Any:
         # faust waits up to 1 s for records of the partitions that were active when the wait
         # began; a partition resumed meanwhile is only looked at after that wait.
-        return await super()._getmany(active_partitions, min(timeout, FETCH_MAX_WAIT_MS["value"] / 1000 + IDLE_POLL_S))
+        return await super()._getmany(active_partitions, min(timeout, FETCH_WAIT.wait_ms / 1000 + IDLE_POLL_S))
 
     async def _wait_next_records(self, timeout: float) -> tuple[Any, Any]:
         if not self.flow_active:
@@ -145,7 +170,9 @@ class Transport(faust_aiokafka.Transport):
     Consumer = Consumer
 
 
-def register(fetch_max_wait_ms: int) -> str:
-    FETCH_MAX_WAIT_MS["value"] = fetch_max_wait_ms
+def register(fetch_max_wait_ms: int, idle_max_wait_ms: int | None = None, idle_after_s: float = 1.0) -> str:
+    """Install the transport; the fetch wait backs off to `idle_max_wait_ms` (None: never)."""
+    global FETCH_WAIT
+    FETCH_WAIT = AdaptiveFetchWait(fetch_max_wait_ms, idle_max_wait_ms or fetch_max_wait_ms, idle_after_s)
     TRANSPORTS.aliases[SCHEME] = f"{__name__}:Transport"
     return SCHEME

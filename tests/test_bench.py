@@ -62,8 +62,10 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
         out_dir=tmp_path / "bench",
         device="cpu",
         torch_threads=1,
-        scenarios=("poisson",),
+        scenarios=("poisson", "efficiency"),
         policies=("dynamic", "off"),
+        idle_s=2.0,
+        idle_settle_s=1.0,
         max_batch_cap=4,
         model_seconds_per_size=0.3,
         model_rounds=1,
@@ -79,7 +81,19 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
 
     written = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert written["runs"] and (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
-    assert {run["scenario"] for run in result["runs"]} == {"flood", "poisson"}
+    variants = list(result["efficiency"])
+    assert variants[0] == "adaptive" and "polling" in variants
+    assert {run["scenario"] for run in result["runs"]} == {"flood", "poisson"} | {
+        f"efficiency {v}{suffix}" for v in variants for suffix in ("", " flood")}
+    for variant in result["efficiency"].values():
+        assert {"broker", "decode-0", "preprocess-0", "inference-0", "sink-0"} <= set(variant["idle_ms_per_s"])
+        cpu = variant["saturation"]["cpu"]
+        assert cpu["total_ms"] == pytest.approx(sum(cpu["per_process_ms"].values()), abs=0.5)
+        assert cpu["outside_model_ms"] == pytest.approx(cpu["total_ms"] - cpu["model_ms"], abs=0.2)
+        per_job = variant["bytes_per_job"]
+        assert per_job["ready"]["records"] == per_job["events"]["records"] == 1  # one image part per job
+        assert per_job["ready"]["bytes"] > 3 * 224 * 224  # the uint8 crop and its header
+    assert {"idle CPU per stage process", "CPU per job outside the model"} <= {t["name"] for t in result["targets"]}
     assert {run["label"] for run in result["runs"]} >= {"off", result["policies"]["headline"]["label"]}
     for run in result["runs"]:
         s = run["stats"]
@@ -90,9 +104,11 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
         assert sum(float(n) for n in s["batch_items"].values()) == s["ok"]
         assert s["throughput"] > 0
         assert sum(s["breakdown_ms"].values()) == pytest.approx(e2e["mean"], rel=0.02, abs=2.0)  # spans tile the path
+        assert run["resources"]["peak_rss_mib"] and "inference-0" in run["resources"]["cpu_cores"]
+        if run["scenario"].startswith("efficiency"):
+            continue  # the efficiency runs are not simulated
         sim = run["sim"]
         assert sim["items"] == s["published"] and 0 < sim["p50_ms"] <= sim["p95_ms"] <= sim["p99_ms"]
-        assert run["resources"]["peak_rss_mib"] and "inference-0" in run["resources"]["cpu_cores"]
     assert result["model_alone"]["points"][0]["batch_size"] == 1
     assert 0 < result["decode"]["ratio"]
     assert all(label in result["saturation"] for label in ("off", result["policies"]["headline"]["label"]))

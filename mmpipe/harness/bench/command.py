@@ -22,6 +22,8 @@ def bench(
     torch_threads: int = typer.Option(0, help="torch threads per stage process and for the model alone (0: half the cores)"),
     decode_replicas: int = typer.Option(0, help="decode stage processes (0: auto, 1 on small machines)"),
     preprocess_replicas: int = typer.Option(0, help="preprocess stage processes (0: auto)"),
+    model_cpus: str = typer.Option("auto", help="cores for the inference model thread alone, the rest for everything else: "
+                                                "auto (CPU device: the last torch-threads cores) | none | e.g. 1 or 2,3"),
 ) -> None:
     """Benchmark batching policies on the real pipeline (embedded broker, one process per stage)."""
     from mmpipe.harness.bench.config import MODALITIES, SCENARIOS, BenchConfig
@@ -35,7 +37,7 @@ def bench(
         raise typer.BadParameter(f"modality must be one of {', '.join(MODALITIES)}")
     options = dict(
         out_dir=out, device=device, seed=seed, rate=rate, modality=modality, torch_threads=torch_threads,
-        decode_replicas=decode_replicas, preprocess_replicas=preprocess_replicas,
+        decode_replicas=decode_replicas, preprocess_replicas=preprocess_replicas, model_cpus=model_cpus,
     )
     if quick:
         # --quick runs the poisson scenario unless scenarios were named explicitly.

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-SCENARIOS = ("poisson", "bursty", "degraded", "mixed")
+SCENARIOS = ("poisson", "bursty", "degraded", "mixed", "efficiency")
 MODALITIES = ("image", "audio", "text")
 # The load for the latency check: a share of the pipeline's own saturation throughput.
 TARGET_LOAD = 0.7
@@ -25,6 +25,7 @@ class BenchConfig:
     decode_replicas: int = 0  # 0: auto
     preprocess_replicas: int = 0  # 0: auto
     partitions: int = 4
+    model_cpus: str = "auto"  # cores of the inference model thread: auto | none | "1" / "2,3"
     quick: bool = False
 
     # Model alone
@@ -57,6 +58,8 @@ class BenchConfig:
     mixed_load: float = 0.5  # mixed jobs carry more work (video frames + audio) than one image
     degrade_factor: float = 1.0  # extra delay per batch on the slowed replica, in t(best batch)
     degraded_s: float = 25.0
+    idle_s: float = 30.0  # efficiency: the idle window, after idle_settle_s without jobs
+    idle_settle_s: float = 5.0
     policies: tuple[str, ...] = ("dynamic", "off", "static")  # which of the main three run
     result_timeout_s: float = 600.0
 
@@ -64,7 +67,7 @@ class BenchConfig:
     def quick_preset(cls, **overrides: object) -> BenchConfig:
         base = cls(
             quick=True,
-            scenarios=("poisson",),
+            scenarios=("poisson", "efficiency"),
             model_seconds_per_size=0.6,
             model_rounds=2,
             decode_clip_s=2.0,

@@ -28,6 +28,7 @@ from mmpipe.client import Publisher
 from mmpipe.schemas.settings import BatchingSettings, Settings
 from mmpipe.stages.sink.store.base import load_result
 from mmpipe.report import scrape
+from mmpipe.streams import affinity
 from mmpipe.streams.topology import metrics_port
 from mmpipe.supervisor import Pipeline, tail
 from mmpipe.schemas import JobResult
@@ -149,6 +150,27 @@ class BenchPipeline:
         self._watch_all()
         return True
 
+    def restart_stages(self, overrides: dict[str, Any], timeout_s: float = 300.0) -> None:
+        """Restart every stage process (not the broker) with these settings changed."""
+        for proc in list(self.pipeline.processes):
+            if proc.alive():
+                self.pipeline.kill(proc.stage, proc.index, signal.SIGTERM)
+            self.sampler.unwatch(proc.name)
+        self.pipeline.settings = self.settings.model_copy(update=overrides)
+        self._pin_broker()
+        new = [self.pipeline.spawn(proc.stage, proc.index) for proc in list(self.pipeline.processes)]
+        self.pipeline.wait_ready(timeout_s, new)
+        self._watch_all()
+
+    def _pin_broker(self) -> None:
+        """The broker outlives stage restarts: give it the cores the new settings leave it."""
+        broker = self.pipeline.broker
+        if broker is None or broker.process is None:
+            return
+        model_cpus = self.settings.model_cpus
+        cpus = affinity.pipeline_cpus(model_cpus) if model_cpus else affinity.pipeline_cpus(())
+        affinity.pin_threads(broker.process.pid, cpus, "the embedded broker")
+
     def _apply(self, policy: Policy, topology: Topology) -> None:
         """Settings the next inference processes start with."""
         scheduling = self.settings.scheduling.model_copy(update={"routing": topology.routing})
@@ -170,7 +192,7 @@ class BenchPipeline:
         self.sampler.begin()
         published, sent_at, send_lag, lag_peak = asyncio.run(self._publish(schedule, workload, tag, timeout_s, outstanding))
         resources = self.sampler.end()
-        results = self._fetch(tag)
+        results = self.fetch(tag)
         return RunData(
             results=results,
             published=published,
@@ -252,7 +274,7 @@ class BenchPipeline:
         with self._read() as conn:
             return conn.execute("SELECT COUNT(*) FROM results WHERE job_id >= ? AND job_id < ?", _ids_of(tag)).fetchone()[0]
 
-    def _fetch(self, tag: str) -> list[JobResult]:
+    def fetch(self, tag: str) -> list[JobResult]:
         with self._read() as conn:
             rows = conn.execute("SELECT body FROM results WHERE job_id >= ? AND job_id < ?", _ids_of(tag)).fetchall()
         return [load_result(body) for (body,) in rows]

@@ -36,6 +36,8 @@ def print_report(result: dict[str, Any], console: Console) -> None:
         console.print(f"[red]{lost} published job(s) never got a result[/] although every stage had committed past "
                       "them: lost on the way; the runs' ok/pub columns say where")
     console.print(breakdown_table(result))
+    if result.get("efficiency"):
+        console.print(efficiency_table(result["efficiency"]))
     console.print(targets_table(result))
 
 
@@ -114,6 +116,61 @@ def breakdown_table(result: dict[str, Any]) -> Table:
         counts = " ".join(f"{k}:{v:g}" for k, v in run["stats"]["batch_count"].items())
         table.add_row(run["scenario"], run["label"], _pct(run["load"]), *[f"{b[span]:.0f}" for span in SPANS], counts)
     return table
+
+
+def efficiency_table(eff: dict[str, Any]) -> Table:
+    """Every efficiency figure per settings variant, and the ratio of the first to the others."""
+    names = list(eff)
+    table = Table(title="efficiency: idle CPU, CPU and bytes per job at saturation, per settings variant (one run; "
+                        "ms/s: 10 = 1% of a core)")
+    table.add_column("figure", justify="left")
+    for name in names:
+        table.add_column(name, justify="right")
+    for other in names[1:]:
+        table.add_column(f"{names[0]}/{other}", justify="right")
+    for label, values in efficiency_rows(eff):
+        ratios = [_ratio(values[0], v) for v in values[1:]]
+        table.add_row(label, *(_num(v, 2 if label.startswith("other") else 1) for v in values), *ratios)
+    return table
+
+
+def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]:
+    variants = list(eff.values())
+
+    def row(label: str, get: Any) -> tuple[str, list[float | None]]:
+        values = []
+        for v in variants:
+            try:
+                values.append(get(v))
+            except (KeyError, TypeError):
+                values.append(None)
+        return label, values
+
+    procs = sorted({p for v in variants for p in v["idle_ms_per_s"]} | {p for v in variants for p in v["saturation"]["cpu"]["per_process_ms"]})
+    topics = sorted({t for v in variants for t in v["bytes_per_job"]})
+    rows = [row(f"other users' cores during {w}", lambda v, w=w: v["other_busy_cores"][w]) for w in ("idle", "light_load", "saturation")]
+    rows += [row(f"idle CPU ms/s {p}", lambda v, p=p: v["idle_ms_per_s"][p]) for p in procs]
+    rows += [
+        row("p50 e2e ms at 30% load", lambda v: v["light_load"]["p50_ms"]),
+        row("first job after idle, e2e ms", lambda v: v["light_load"]["first_job_ms"]),
+    ]
+    rows += [row(f"saturation CPU ms/job {p}", lambda v, p=p: v["saturation"]["cpu"]["per_process_ms"][p]) for p in procs]
+    rows += [
+        row("CPU ms/job all processes", lambda v: v["saturation"]["cpu"]["total_ms"]),
+        row("CPU ms/job model alone (same batch)", lambda v: v["saturation"]["cpu"]["model_ms"]),
+        row("CPU ms/job outside the model", lambda v: v["saturation"]["cpu"]["outside_model_ms"]),
+        row("saturation jobs/s", lambda v: v["saturation"]["throughput"]),
+        row("mean batch", lambda v: v["saturation"]["mean_batch"]),
+        row("throughput / model alone (same batch)", lambda v: v["saturation"]["ratio_to_model_alone"]),
+        row("execute inflation (in pipeline / alone)", lambda v: v["saturation"]["execute_inflation"]),
+    ]
+    rows += [row(f"bytes/job {t}", lambda v, t=t: v["bytes_per_job"][t]["bytes"]) for t in topics]
+    rows += [row(f"records/job {t}", lambda v, t=t: v["bytes_per_job"][t]["records"]) for t in topics]
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}"
 
 
 def targets_table(result: dict[str, Any]) -> Table:

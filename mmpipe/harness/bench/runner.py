@@ -23,7 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
-from mmpipe.harness.bench import decode_bench, report, simulate, stats, targets, traffic
+from mmpipe.harness.bench import decode_bench, efficiency, report, simulate, stats, targets, traffic
 from mmpipe.harness.bench.config import TARGET_LOAD, BenchConfig
 from mmpipe.harness.bench.env import environment
 from mmpipe.harness.bench.model_alone import ModelCurve, batch_sizes, measure_curve
@@ -39,7 +39,7 @@ from mmpipe.streams.broker import free_port_block
 REPORTED_SETTINGS = {
     "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
     "stream_buffer_maxsize", "decode_workers", "decode_threads", "inference_workers", "torch_threads",
-    "video_sample_fps", "video_max_frames", "models", "device",
+    "video_sample_fps", "video_max_frames", "models", "device", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus",
 }
 
 
@@ -67,6 +67,7 @@ class Runner:
         self._tags = 0
         self._warm = False
         self.cache_dir = load_settings().state_path("bench-cache")
+        self.efficiency_result: dict[str, Any] = {}
 
     # Top level -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -105,6 +106,7 @@ class Runner:
             "runs": self.runs,
             "memory": self.memory(),
             "simulation_curves": self.simulation_curves(),
+            "efficiency": self.efficiency_result,
         }
         result["targets"] = targets.evaluate(result, self.settings_budget())
         report.write_all(result, cfg.out_dir, self.console)
@@ -164,6 +166,8 @@ class Runner:
             self.sweep()
         if "degraded" in scen:
             self.degraded()
+        if "efficiency" in scen:
+            self.efficiency()  # last: it leaves the stages on the "polling" settings
 
     def start_pipeline(self) -> None:
         cfg = self.cfg
@@ -191,6 +195,7 @@ class Runner:
             allow_random_weights=True,
             device=self.device,
             torch_threads=cfg.threads(),
+            model_cpus=efficiency.model_cores(cfg.model_cpus, self.device, cfg.threads()),
             models=models,
             metrics_host="127.0.0.1",
             log_level="warn",
@@ -220,13 +225,15 @@ class Runner:
         pipeline's pace. An all-at-once flood let decode finish early and then timed the
         inference stage with the machine to itself (+50% on 2 cores); open-loop overload
         billed the pipeline for ingesting jobs it could not serve yet."""
+        run = self.closed_loop(policy, "flood")
+        self.saturation[policy.label] = run["stats"]["throughput"]
+
+    def closed_loop(self, policy: Policy, kind: str, simulate_it: bool = True) -> dict[str, Any]:
         assert self.curve is not None
         size = int(self.curve.throughput(self.curve.best_batch) * self.cfg.flood_seconds)
         size = min(max(size, self.cfg.flood_jobs_min, 4 * policy.max_batch), self.cfg.flood_jobs_max)
-        outstanding = flood_outstanding(policy)
-        run = self.execute(traffic.flood(size, self.cfg.modality, self.cfg.seed), "flood", policy,
-                           flood=True, outstanding=outstanding)
-        self.saturation[policy.label] = run["stats"]["throughput"]
+        return self.execute(traffic.flood(size, self.cfg.modality, self.cfg.seed), kind, policy,
+                            flood=True, outstanding=flood_outstanding(policy), simulate_it=simulate_it)
 
     def rate_at(self, load: float) -> float:
         return self.rate * load / TARGET_LOAD
@@ -272,6 +279,55 @@ class Runner:
         for policy, topology in plan:
             self.use(policy, topology)
             self.execute(schedule, "degraded", policy, load=TARGET_LOAD, rate=rate, topology=topology)
+
+    def efficiency(self) -> None:
+        """Idle CPU, latency at 30% load, CPU and bytes per job at saturation, for each settings
+        variant (efficiency.py), every stage restarted with the variant's settings."""
+        assert self.bench is not None and self.curve is not None
+        headline = self.policies["headline"]
+        for variant, overrides in efficiency.variants(self.bench.settings).items():
+            if overrides:
+                with self.console.status(f"restarting every stage with the {variant} settings..."):
+                    self.bench.restart_stages(overrides)
+                self._warm = False
+            self.use(headline)
+            self.efficiency_result[variant] = self.efficiency_variant(variant, headline)
+
+    def efficiency_variant(self, variant: str, policy: Policy) -> dict[str, Any]:
+        assert self.bench is not None and self.curve is not None
+        cfg = self.cfg
+        with self.console.status(f"{variant}: idle for {cfg.idle_s:.0f}s..."):
+            time.sleep(cfg.idle_settle_s)  # consumers back off after fetch_idle_after_s
+            self.sampler.begin()
+            time.sleep(cfg.idle_s)
+            idle_window = self.sampler.end()
+            idle = efficiency.idle_ms_per_s(idle_window)
+        self.say(f"{variant}: idle CPU ms/s " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
+        rate = self.rate_at(efficiency.IDLE_LOAD)
+        schedule = traffic.poisson(rate, cfg.poisson_s, cfg.seed, cfg.modality)
+        light = self.execute(schedule, f"efficiency {variant}", policy, load=efficiency.IDLE_LOAD, rate=rate, simulate_it=False)
+        topic_bytes = efficiency.TopicBytes(self.bench.settings)
+        topic_bytes.mark()
+        flood = self.closed_loop(policy, f"efficiency {variant} flood", simulate_it=False)
+        figures = flood["stats"]
+        alone = self.curve.throughput(max(1, round(figures["mean_batch"])))
+        return {
+            "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus")},
+            "idle_s": cfg.idle_s,
+            "idle_ms_per_s": idle,
+            # Other users of a shared machine, in cores: the figures beside them are only as clean as these.
+            "other_busy_cores": {"idle": idle_window["other_busy_cores"], "light_load": light["resources"]["other_busy_cores"],
+                                 "saturation": flood["resources"]["other_busy_cores"]},
+            "light_load": {"rate": round(rate, 3), "p50_ms": light["stats"]["e2e_ms"]["p50"],
+                           "first_job_ms": efficiency.first_job_ms(self.bench.fetch(light["tag"]))},
+            "saturation": {
+                "throughput": figures["throughput"], "mean_batch": figures["mean_batch"],
+                "model_alone_throughput": round(alone, 3), "ratio_to_model_alone": round(figures["throughput"] / alone, 3),
+                "execute_inflation": round(execute_inflation(figures, self.curve), 3),
+                "cpu": efficiency.cpu_per_job(flood, efficiency.model_cpu_per_item(self.curve.to_dict()["points"], figures["mean_batch"])),
+            },
+            "bytes_per_job": efficiency.per_job(topic_bytes.added(), figures["published"], self.bench.settings.topic_prefix),
+        }
 
     # One measured run ----------------------------------------------------------------------------
     def execute(

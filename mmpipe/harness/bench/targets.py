@@ -12,6 +12,11 @@ from mmpipe.streams.topology import STAGE_NAMES
 GAIN_CAPTURE = 0.9  # share of the model-alone batching gain the pipeline must keep
 OVERHEAD = 0.9  # pipeline throughput over model-alone throughput at the same batch size
 DECODE = 0.8  # decode_video frame rate over a bare PyAV loop
+IDLE_STAGE_PCT = 1.0  # idle CPU per stage process, % of a core
+IDLE_BROKER_PCT = 3.0
+LIGHT_P50_RISE = 1.1  # p50 at 30% load, this build's settings over the polling settings
+OUTSIDE_MODEL_MS = 15.0  # CPU per job of every process, less the model's own, at saturation
+EXECUTE_INFLATION = 1.2  # a batch's execute time in the pipeline over the model alone
 # Below this model-alone gain the "share of the gain" is mostly measurement noise; the check
 # becomes pipeline gain >= GAIN_CAPTURE x model gain instead.
 MIN_GAIN = 1.05
@@ -21,6 +26,7 @@ ROUTED_P99 = 1.5  # degraded pair with routing: p99 over the healthy pair's p99 
 def evaluate(result: dict[str, Any], memory_budget_bytes: int) -> list[dict[str, Any]]:
     checks = [_gain_capture(result), _p99_bound(result), _overhead(result), _decode(result), _memory(result, memory_budget_bytes),
               _routing(result)]
+    checks += _efficiency(result.get("efficiency") or {})
     return [c for c in checks if c is not None]
 
 
@@ -227,3 +233,42 @@ def _memory(result: dict[str, Any], budget: int) -> dict[str, Any]:
     passed = worst <= budget_mib
     holds = None if passed else {"stage": worst_name, "summary": f"{worst_name} peaked at {worst:.0f} MiB, over by {worst - budget_mib:.0f} MiB"}
     return _check("peak RSS per stage within budget", worst, round(budget_mib), passed, detail, holds, unit="MiB")
+
+
+def _efficiency(eff: dict[str, Any]) -> list[dict[str, Any]]:
+    """The idle, latency and CPU-per-job targets, on the "adaptive" variant (this build's
+    settings) against "polling" (the settings before it), from the efficiency scenario."""
+    ours, before = eff.get("adaptive"), eff.get("polling")
+    if not ours:
+        return []
+    idle = ours["idle_ms_per_s"]
+    stages = {k: v / 10 for k, v in idle.items() if k.split("-")[0] in STAGE_NAMES}
+    worst = max(stages, key=stages.get) if stages else None
+    checks = []
+    if worst is not None:
+        detail = f"no jobs for {ours['idle_s']:.0f}s, % of a core: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
+        if before:
+            detail += "; polling settings: " + ", ".join(f"{k} {v / 10:.2f}" for k, v in before["idle_ms_per_s"].items())
+        checks.append(_check("idle CPU per stage process", stages[worst], IDLE_STAGE_PCT, stages[worst] <= IDLE_STAGE_PCT, detail, unit="%"))
+    if "broker" in idle:
+        broker = idle["broker"] / 10
+        detail = f"embedded broker, no jobs for {ours['idle_s']:.0f}s: {broker:.2f}% of a core"
+        if before and "broker" in before["idle_ms_per_s"]:
+            detail += f" (polling settings: {before['idle_ms_per_s']['broker'] / 10:.2f}%)"
+        checks.append(_check("idle CPU of the embedded broker", broker, IDLE_BROKER_PCT, broker <= IDLE_BROKER_PCT, detail, unit="%"))
+    if before:
+        p50, p50_before = ours["light_load"]["p50_ms"], before["light_load"]["p50_ms"]
+        ratio = p50 / p50_before if p50_before else None
+        detail = (f"p50 end-to-end at 30% load ({ours['light_load']['rate']:.2f} jobs/s, same arrivals): {p50:.0f} ms vs "
+                  f"{p50_before:.0f} ms with the polling settings; first job after the idle spell {ours['light_load']['first_job_ms']:.0f} "
+                  f"vs {before['light_load']['first_job_ms']:.0f} ms")
+        checks.append(_check("p50 at 30% load vs polling settings", ratio, LIGHT_P50_RISE, None if ratio is None else ratio <= LIGHT_P50_RISE, detail))
+    cpu = ours["saturation"]["cpu"]
+    detail = (f"saturation, all processes incl. the broker {cpu['total_ms']:.1f} ms/job less the model alone {cpu['model_ms']:.1f}: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in cpu["per_process_ms"].items()))
+    outside = cpu["outside_model_ms"]
+    checks.append(_check("CPU per job outside the model", outside, OUTSIDE_MODEL_MS, outside <= OUTSIDE_MODEL_MS, detail, unit="ms"))
+    inflation = ours["saturation"]["execute_inflation"]
+    checks.append(_check("batch execute in pipeline / alone", inflation, EXECUTE_INFLATION, inflation <= EXECUTE_INFLATION,
+                         f"item-weighted over the saturation run's batches (mean batch {ours['saturation']['mean_batch']})"))
+    return checks

@@ -1,0 +1,148 @@
+"""What the pipeline costs beside the model, under two settings in one run (issue 11).
+
+Variants: "adaptive" (this build's settings: idle consumers back their fetch wait off, lag
+read-outs pause while nothing moves) and "polling" (the settings before that: every consumer
+fetches with the short wait forever, lag is read twice a second). For each, with the headline
+batching policy and every stage process restarted with the variant's settings:
+
+1. idle: no jobs for `idle_s`, CPU per process (the broker too) in ms per wall second;
+2. latency at 30% load: a seeded Poisson run (the same arrivals for both variants), p50;
+3. saturation: the closed-loop flood, CPU per job of every process, the model's own CPU per
+   item (model alone, same batch size) subtracted for "outside the model", and the bytes each
+   topic carried per job (read back from the broker: key + value of every record the run added).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from mmpipe.schemas import JobResult
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.kafka import client_kwargs
+from mmpipe.streams.topics import TopicNames
+
+IDLE_LOAD = 0.3  # the issue's latency check: p50 at 30% of saturation must not rise > 10%
+TOPIC_READ_TIMEOUT_S = 60.0
+
+
+def variants(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Settings overrides per variant; the first ("adaptive") is what the pipeline already runs.
+    Where it pins the model thread to its own cores (streams/affinity.py), "unpinned" is the
+    same without; "polling" is the settings before this work: no idle back-off, lag read twice
+    a second, no pinning."""
+    out: dict[str, dict[str, Any]] = {"adaptive": {}}
+    if settings.model_cpus:
+        out["unpinned"] = {"model_cpus": []}
+    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": []}
+    return out
+
+
+def model_cores(spec: str, device: str, threads: int) -> list[int]:
+    """The bench's --model-cpus: "auto" gives the model thread(s) the last `threads` cores on a
+    CPU device when cores are left for the rest; "none" pins nothing; else a list "3" / "2,3"."""
+    if spec == "none":
+        return []
+    if spec != "auto":
+        return [int(c) for c in spec.split(",") if c.strip()]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if device != "cpu" or len(cores) <= threads:
+        return []
+    return cores[-threads:]
+
+
+def idle_ms_per_s(resources: dict[str, Any]) -> dict[str, float]:
+    """CPU per process over an idle window, in ms per second (10 ms/s = 1% of a core)."""
+    return {name: round(cores * 1000, 1) for name, cores in sorted(resources["cpu_cores"].items()) if name != "bench"}
+
+
+def cpu_per_job(run: dict[str, Any], model_ms_per_item: float) -> dict[str, Any]:
+    """CPU ms per job of every process in a saturation run, and the total outside the model
+    (all processes including the broker, less the model's own CPU per item alone)."""
+    res, jobs = run["resources"], max(run["stats"]["ok"], 1)
+    per = {name: round(cores * res["wall_s"] / jobs * 1000, 1) for name, cores in sorted(res["cpu_cores"].items()) if name != "bench"}
+    total = sum(per.values())
+    return {"per_process_ms": per, "total_ms": round(total, 1), "model_ms": round(model_ms_per_item, 1),
+            "outside_model_ms": round(total - model_ms_per_item, 1), "jobs": jobs}
+
+
+def first_job_ms(results: list[JobResult]) -> float | None:
+    """End-to-end latency of a run's first job: after an idle spell it pays the backed-off waits."""
+    if not results:
+        return None
+    return min(results, key=lambda r: r.created_at).timings.end_to_end_ms
+
+
+def model_cpu_per_item(result_points: list[dict[str, Any]], batch: float) -> float:
+    size = max(1, round(batch))
+    point = min(result_points, key=lambda p: abs(p["batch_size"] - size))
+    return float(point.get("cpu_ms_per_item", 0.0))
+
+
+# Bytes per topic ---------------------------------------------------------------------------------
+class TopicBytes:
+    """End offsets of every pipeline topic now; later, the bytes and records added since."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topics = [name for name, _ in TopicNames(settings.topic_prefix).all()]
+        self.start: dict[TopicPartition, int] = {}
+
+    def mark(self) -> None:
+        self.start = asyncio.run(self._with_consumer(self._ends))
+
+    def added(self) -> dict[str, dict[str, int]]:
+        """{topic: {"bytes": key + value bytes, "records": n}} of the records added since mark()."""
+        return asyncio.run(self._with_consumer(self._read_added))
+
+    async def _with_consumer(self, work: Any) -> Any:
+        consumer = AIOKafkaConsumer(**client_kwargs(self.settings), enable_auto_commit=False,
+                                    max_partition_fetch_bytes=self.settings.max_message_bytes,
+                                    fetch_max_bytes=self.settings.max_message_bytes)
+        await consumer.start()
+        try:
+            return await work(consumer)
+        finally:
+            await consumer.stop()
+
+    async def _partitions(self, consumer: AIOKafkaConsumer) -> list[TopicPartition]:
+        await consumer.topics()
+        return [TopicPartition(t, p) for t in self.topics for p in sorted(consumer.partitions_for_topic(t) or ())]
+
+    async def _ends(self, consumer: AIOKafkaConsumer) -> dict[TopicPartition, int]:
+        return dict(await consumer.end_offsets(await self._partitions(consumer)))
+
+    async def _read_added(self, consumer: AIOKafkaConsumer) -> dict[str, dict[str, int]]:
+        tps = await self._partitions(consumer)
+        ends = await consumer.end_offsets(tps)
+        todo = {tp: ends[tp] for tp in tps if ends[tp] > self.start.get(tp, 0)}
+        out = {topic: {"bytes": 0, "records": 0} for topic in self.topics}
+        if not todo:
+            return out
+        consumer.assign(list(todo))
+        for tp in todo:
+            consumer.seek(tp, self.start.get(tp, 0))
+        deadline = time.monotonic() + TOPIC_READ_TIMEOUT_S
+        while todo and time.monotonic() < deadline:
+            batches = await consumer.getmany(*todo, timeout_ms=500)
+            for tp, records in batches.items():
+                for record in records:
+                    if record.offset < todo.get(tp, 0):
+                        out[tp.topic]["bytes"] += len(record.key or b"") + len(record.value or b"")
+                        out[tp.topic]["records"] += 1
+                if await consumer.position(tp) >= ends[tp]:
+                    todo.pop(tp, None)
+        return out
+
+
+def per_job(added: dict[str, dict[str, int]], jobs: int, prefix: str) -> dict[str, dict[str, float]]:
+    """Bytes and records per job on each topic (topic names without the run's prefix)."""
+    jobs = max(jobs, 1)
+    return {
+        topic.removeprefix(prefix + "."): {"bytes": round(v["bytes"] / jobs), "records": round(v["records"] / jobs, 2)}
+        for topic, v in added.items() if v["records"]
+    }
