@@ -29,6 +29,22 @@ class BatchingSettings(BaseModel):
     max_queue: int = Field(256, ge=1)
 
 
+class ContinuousSettings(BaseModel):
+    """Iteration-level batching of autoregressive models (speech to text): sequences join and
+    leave the running set at every decoder step; each reserves its whole KV cache on admission."""
+
+    # continuous: join at every step; request: a batch runs until its longest sequence ends;
+    # off: one sequence at a time.
+    mode: Literal["continuous", "request", "off"] = "continuous"
+    kv_cache_budget_bytes: int = Field(256 * 1024**2, ge=1)
+    # On CUDA, when > 0: the budget is this share of the free device memory at start-up.
+    kv_cache_gpu_fraction: float = Field(0.0, ge=0.0, le=0.95)
+    # Bound of sequences waiting for a reservation; beyond it a sequence is rejected.
+    max_queue: int = Field(64, ge=1)
+    # Sequences joining at one step share one encoder pass of at most this many.
+    max_join_per_step: int = Field(8, ge=1)
+
+
 class KafkaSecurity(BaseModel):
     """Client security for a secured cluster; PLAINTEXT for the embedded broker."""
 
@@ -122,6 +138,7 @@ class Settings(BaseSettings):
     allow_random_weights: bool = False
     batching: dict[str, BatchingSettings] = Field(default_factory=dict)
     default_batching: BatchingSettings = BatchingSettings()
+    continuous: ContinuousSettings = ContinuousSettings()
     inference_workers: int = Field(2, ge=1)  # CPU workers for preprocess
     # Fault injection for benchmarks and tests (a degraded replica): extra time per batch.
     inject_execute_delay_ms: float = Field(0.0, ge=0.0)
