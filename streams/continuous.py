@@ -122,11 +122,14 @@ class ContinuousPolicy:
     reserved: int = 0
     _moves: list[tuple[int, int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.mode == "off":
+            self.max_rows = 1
+
     @classmethod
     def from_settings(cls, s: ContinuousSettings, budget_bytes: int, max_rows: int, eot: int,
                       max_new_tokens: int) -> ContinuousPolicy:
-        rows = 1 if s.mode == "off" else max_rows
-        return cls(budget_bytes, rows, s.max_queue, s.max_join_per_step, eot, max_new_tokens, s.mode)
+        return cls(budget_bytes, max_rows, s.max_queue, s.max_join_per_step, eot, max_new_tokens, s.mode)
 
     def offer(self, seq: Sequence) -> None:
         if seq.reservation > self.budget_bytes:
