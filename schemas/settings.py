@@ -133,7 +133,7 @@ class Settings(BaseSettings):
     # --- Models and inference -----------------------------------------------------------
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
-    models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2"])
+    models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2", "whisper-tiny-en"])
     weights_dir: Path | None = None  # default: <state_dir>/weights
     allow_random_weights: bool = False
     batching: dict[str, BatchingSettings] = Field(default_factory=dict)

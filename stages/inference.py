@@ -1,8 +1,10 @@
 """Inference stage (GPU when present): ready -> predictions.
 
-Loads the configured models once, gives each its own DynamicBatcher (max batch size, max wait
-of the oldest item, shape buckets, deadlines) and executor thread, and answers every item with
-a Prediction carrying the batch it ran in. An item the model fails on alone is dead-lettered
+Loads the configured models once, gives each its own executor thread and batcher, and answers
+every item with a Prediction carrying the batch it ran in. One-shot models get a DynamicBatcher
+(max batch size, max wait of the oldest item, shape buckets, deadlines); autoregressive ones
+(speech to text) a ContinuousBatcher: sequences join and leave the running set at every decoder
+step, each holding a KV-cache slot reserved from the configured budget when it is admitted. An item the model fails on alone is dead-lettered
 with the model's error; an item whose deadline passed is answered as expired, never run.
 """
 
@@ -17,9 +19,10 @@ import torch
 
 from mmpipe.models.base import LoadedModel
 from mmpipe.models.registry import specs_by_name
-from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
+from mmpipe.models.torch_util import gpu_memory_bytes, kv_cache_budget, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
+from mmpipe.streams.continuous import ContinuousBatcher, Rejected
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
 
 log = logging.getLogger(__name__)
@@ -40,21 +43,39 @@ class InferenceStage(Stage):
             torch.set_num_threads(self.settings.torch_threads)
         for model in self.models.values():
             model.warmup()
-        self.batchers: dict[ModelRef, DynamicBatcher] = {}
+        self.batchers: dict[ModelRef, DynamicBatcher | ContinuousBatcher] = {}
 
     async def start(self) -> None:
         for ref, model in self.models.items():
-            batcher = DynamicBatcher(
-                name=ref.name,
-                predict=self._with_injected_delay(model.predict),
-                bucket_key=model.spec.bucket_key,
-                settings=self.settings.batching_for(ref.name),
-                model_limit=model.spec.config.max_batch_size,
-                executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}"),
-                metrics=self.metrics,
-            )
+            autoregressive = model.spec.config.extra.get("autoregressive")
+            batcher = self._continuous(ref, model) if autoregressive else self._dynamic(ref, model)
             batcher.start()
             self.batchers[ref] = batcher
+
+    def _dynamic(self, ref: ModelRef, model: LoadedModel) -> DynamicBatcher:
+        return DynamicBatcher(
+            name=ref.name,
+            predict=self._with_injected_delay(model.predict),
+            bucket_key=model.spec.bucket_key,
+            settings=self.settings.batching_for(ref.name),
+            model_limit=model.spec.config.max_batch_size,
+            executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}"),
+            metrics=self.metrics,
+        )
+
+    def _continuous(self, ref: ModelRef, model: LoadedModel) -> ContinuousBatcher:
+        budget = kv_cache_budget(self.settings.continuous, model.device)
+        rows = model.reserve_cache(budget)  # type: ignore[attr-defined]
+        log.info("%s: KV-cache budget %d bytes, %d sequence slots (%s)", ref, budget, rows, self.settings.continuous.mode)
+        return ContinuousBatcher(
+            name=ref.name,
+            model=model,  # type: ignore[arg-type]
+            settings=self.settings.continuous,
+            budget_bytes=budget,
+            max_rows=rows,
+            executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}"),
+            metrics=self.metrics,
+        )
 
     def _with_injected_delay(self, predict: Callable[[list], list]) -> Callable[[list], list]:
         delay_s = self.settings.inject_execute_delay_ms / 1000.0
@@ -85,6 +106,8 @@ class InferenceStage(Stage):
             output, info = await batcher.submit(item.tensors, item.deadline)
         except Expired as exc:
             return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc))]
+        except Rejected as exc:
+            return [self.answer_without_work("rejected", **common, trace=item.trace, detail=str(exc))]
         except ItemFailed as exc:
             raise BadMessage("model_error", str(exc)) from None
         item.trace.update(batch_start=info.started_at, batch_end=info.finished_at)
