@@ -24,17 +24,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torchaudio
 
 from mmpipe.models.base import BadInput, DecodeHints, LoadedModel, ModelConfig, ModelSpec, TensorSpec, WeightsUnavailable
 from mmpipe.models.ct2_format import read_ct2_model
 from mmpipe.models.torch_util import resolve_device
+from mmpipe.models.silero_vad import SileroVadSpec, window_pcm
 from mmpipe.models.whisper_net import SlotCache, WhisperNet
 from mmpipe.streams.continuous import ContinuousPolicy, Iteration, run_to_completion
 
 SAMPLE_RATE = 16_000
 WINDOW_S = 30.0
-WINDOW_SAMPLES = int(WINDOW_S * SAMPLE_RATE)
 N_MELS, N_FRAMES = 80, 3000
 MAX_NEW_TOKENS = 224  # ctranslate2: half of the 448 text positions
 VAD_FRAME = 512  # shorter windows cannot hold speech for Silero
@@ -94,8 +93,6 @@ _vad_lock = threading.Lock()
 
 @functools.cache
 def _vad() -> LoadedModel:
-    from mmpipe.models.silero_vad import SileroVadSpec
-
     return SileroVadSpec().load("cpu", "", False)
 
 
@@ -138,15 +135,7 @@ class WhisperSpec(ModelSpec):
         )
 
     def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
-        pcm = tensors.get("pcm")
-        if pcm is None or pcm.ndim != 1 or pcm.dtype != np.float32:
-            raise BadInput(f"whisper wants mono float32 PCM, got {None if pcm is None else (pcm.dtype, pcm.shape)}")
-        rate = int(meta.get("sample_rate", SAMPLE_RATE))
-        if rate != SAMPLE_RATE:
-            pcm = torchaudio.functional.resample(torch.from_numpy(pcm), rate, SAMPLE_RATE).numpy()
-        if pcm.size > WINDOW_SAMPLES:
-            raise BadInput(f"audio part of {pcm.size / SAMPLE_RATE:.1f} s exceeds the {WINDOW_S:.0f} s window")
-        pcm = np.clip(pcm, -1.0, 1.0).astype(np.float32, copy=False)
+        pcm = window_pcm(tensors, meta, self.config.name)
         segments = speech_segments(pcm)
         ready = {"speech": segments, "samples": np.array([pcm.size], dtype=np.int64)}
         if len(segments):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mmpipe.schemas.settings import ContinuousSettings
-from mmpipe.streams.batching import BatchInfo, Expired, ItemFailed
+from mmpipe.streams.batching import BatcherLoop, BatchInfo, Expired, ItemFailed
 from mmpipe.streams.metrics import StageMetrics
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ def run_to_completion(model: StepModel, payloads: list[Any], policy: ContinuousP
     return [outputs[i] for i in range(len(payloads))]
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(BatcherLoop):
     """Serves one autoregressive model: submit() resolves with (output, BatchInfo) when the
     sequence finishes, or raises Expired / Rejected / ItemFailed."""
 
@@ -268,20 +268,8 @@ class ContinuousBatcher:
         self._metrics = metrics
         self._clock = clock
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
         if metrics:
             metrics.kv_budget.labels(name).set(budget_bytes)
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
 
     async def submit(self, payload: Any, deadline_wall: float) -> tuple[Any, BatchInfo]:
         now_wall = time.time()
@@ -312,7 +300,7 @@ class ContinuousBatcher:
             iteration = self.policy.plan(self._clock())
             self._publish()
             if iteration is None:
-                await self._idle()
+                await self._sleep_until(self.policy.wake_at())
                 continue
             self._joined(iteration)
             sampled = sum(1 for seq in self.policy.active if seq.samples_now)
@@ -338,15 +326,6 @@ class ContinuousBatcher:
             if self._metrics:
                 self._metrics.expired.labels("inference").inc()
             _resolve(seq, exc=Expired(f"deadline passed after {now - seq.arrived:.3f}s waiting for KV-cache memory"))
-
-    async def _idle(self) -> None:
-        wake = self.policy.wake_at()
-        self._wakeup.clear()
-        try:
-            timeout = None if wake is None else max(wake - self._clock(), 0.0)
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
 
     def _joined(self, iteration: Iteration) -> None:
         if not iteration.joins:

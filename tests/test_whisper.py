@@ -93,3 +93,27 @@ def test_silence_is_an_empty_transcript_and_never_decoded(spec: WhisperSpec, mod
 def test_speech_segments_come_from_the_vad(clips: list[dict[str, np.ndarray]]):
     starts = [float(clip["speech"][0, 0]) for clip in clips]
     assert all(0.3 <= s <= 0.8 for s in starts)  # after the half second of leading silence
+
+
+def test_the_sink_joins_window_transcripts_in_time_order():
+    from mmpipe.schemas import ModelRef, Prediction
+    from mmpipe.stages.sink.stage import assemble
+
+    ref = ModelRef("whisper-tiny-en", "ct2-f16")
+
+    def window(part: int, text: str, speech: list[tuple[float, float]], truncated: bool = False) -> Prediction:
+        output = {"text": text, "tokens": [1, 2] if text else [], "truncated": truncated,
+                  "segments": [{"start_s": a, "end_s": b} for a, b in speech], "duration_s": 30.0,
+                  "speech_s": sum(b - a for a, b in speech)}
+        return Prediction(job_id="j", part=part, parts=3, kind="audio", modality="audio", model=ref, status="ok",
+                          created_at=0.0, trace={"sink_in": 1.0}, output=output, meta={"offset_s": 30.0 * part})
+
+    parts = [window(2, "last words", [(0.5, 2.0)], truncated=True), window(0, "first words", [(1.0, 2.0), (3.0, 4.5)]),
+             window(1, "", [])]
+    result = assemble(parts)
+    transcript = result.prediction["transcript"]
+    assert transcript["text"] == "first words last words"
+    assert [(s["start_s"], s["end_s"], s["truncated"]) for s in transcript["segments"]] == [
+        (1.0, 4.5, False), (60.5, 62.0, True)]
+    assert result.prediction["segments"] == [{"start_s": 1.0, "end_s": 2.0}, {"start_s": 3.0, "end_s": 4.5},
+                                             {"start_s": 60.5, "end_s": 62.0}]
