@@ -248,9 +248,10 @@ class Whisper(LoadedModel):
 
     # One-shot path -----------------------------------------------------------------------------
     def predict(self, batch: list[dict[str, np.ndarray]]) -> list[Any]:
-        """Decode a batch to completion (continuous scheduling inside the batch)."""
+        """Decode a batch to completion (continuous scheduling inside the batch). For warm-up,
+        tests and benchmarks: it shares the cache with the continuous batcher, never run both."""
         if self.cache is None:
-            self.reserve_cache(self.bytes_per_sequence * ONE_SHOT_ROWS)
+            self.reserve_cache(self.bytes_per_sequence * min(len(batch), ONE_SHOT_ROWS))
         assert self.cache is not None
         policy = ContinuousPolicy(
             budget_bytes=self.cache.rows * self.bytes_per_sequence, max_rows=self.cache.rows, max_queue=len(batch),
