@@ -335,8 +335,6 @@ class ContinuousBatcher(BatcherLoop):
             seq.admitted_wall = wall
             if self._metrics and seq.admitted_at is not None:
                 self._metrics.admission_wait.labels(self.name).observe(seq.admitted_at - seq.arrived)
-        if self._metrics:
-            self._metrics.batch_size.labels(self.name).observe(len(iteration.joins))
 
     def _answer(self, seq: Sequence) -> None:
         self._finished(seq.reason or "length")
