@@ -25,7 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpipe.models.base import BadInput, DecodeHints, LoadedModel, ModelConfig, ModelSpec, TensorSpec, WeightsUnavailable
+from mmpipe.models.base import (
+    AutoregressiveModel,
+    BadInput,
+    DecodeHints,
+    LoadedModel,
+    ModelConfig,
+    ModelSpec,
+    TensorSpec,
+    WeightsUnavailable,
+)
 from mmpipe.models.ct2_format import read_ct2_model
 from mmpipe.models.torch_util import resolve_device
 from mmpipe.models.silero_vad import SileroVadSpec, window_pcm
@@ -131,7 +140,7 @@ class WhisperSpec(ModelSpec):
             output="transcript {text, tokens, truncated} and speech segments [{start_s, end_s}] of the window",
             decode=DecodeHints(audio_sample_rate=SAMPLE_RATE, audio_window_s=WINDOW_S),
             max_batch_size=ONE_SHOT_ROWS,
-            extra={"autoregressive": True, "max_new_tokens": MAX_NEW_TOKENS},
+            extra={"max_new_tokens": MAX_NEW_TOKENS},
         )
 
     def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -167,7 +176,7 @@ class WhisperSpec(ModelSpec):
         return Whisper(self, net, WhisperVocabulary.from_dir(path), path, device, dtype)
 
 
-class Whisper(LoadedModel):
+class Whisper(AutoregressiveModel):
     """The torch Whisper as a StepModel of the continuous batcher."""
 
     def __init__(self, spec: WhisperSpec, net: WhisperNet, vocab: WhisperVocabulary, path: Path,

@@ -43,6 +43,8 @@ class ContinuousSettings(BaseModel):
     max_queue: int = Field(64, ge=1)
     # Sequences joining at one step share one encoder pass of at most this many.
     max_join_per_step: int = Field(8, ge=1)
+    # Most sequences in one decoder step: the cache gets no more slots than this, whatever the budget.
+    max_sequences: int = Field(64, ge=1)
 
 
 class KafkaSecurity(BaseModel):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from mmpipe.models.base import LoadedModel
+from mmpipe.models.base import AutoregressiveModel, LoadedModel
 from mmpipe.models.registry import specs_by_name
 from mmpipe.models.torch_util import gpu_memory_bytes, kv_cache_budget, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, decode_work_item, to_json
@@ -47,7 +47,7 @@ class InferenceStage(Stage):
 
     async def start(self) -> None:
         for ref, model in self.models.items():
-            autoregressive = model.spec.config.extra.get("autoregressive")
+            autoregressive = isinstance(model, AutoregressiveModel)
             batcher = self._continuous(ref, model) if autoregressive else self._dynamic(ref, model)
             batcher.start()
             self.batchers[ref] = batcher
@@ -63,14 +63,15 @@ class InferenceStage(Stage):
             metrics=self.metrics,
         )
 
-    def _continuous(self, ref: ModelRef, model: LoadedModel) -> ContinuousBatcher:
-        budget = kv_cache_budget(self.settings.continuous, model.device)
-        rows = model.reserve_cache(budget)  # type: ignore[attr-defined]
-        log.info("%s: KV-cache budget %d bytes, %d sequence slots (%s)", ref, budget, rows, self.settings.continuous.mode)
+    def _continuous(self, ref: ModelRef, model: AutoregressiveModel) -> ContinuousBatcher:
+        settings = self.settings.continuous
+        budget = min(kv_cache_budget(settings, model.device), settings.max_sequences * model.bytes_per_sequence)
+        rows = model.reserve_cache(budget)
+        log.info("%s: KV-cache budget %d bytes, %d sequence slots (%s)", ref, budget, rows, settings.mode)
         return ContinuousBatcher(
             name=ref.name,
-            model=model,  # type: ignore[arg-type]
-            settings=self.settings.continuous,
+            model=model,
+            settings=settings,
             budget_bytes=budget,
             max_rows=rows,
             executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}"),
