@@ -4,6 +4,7 @@ the spoken text, silence, and continuous batching giving the same tokens as one 
 
 from __future__ import annotations
 
+import ctranslate2
 import jiwer
 import numpy as np
 import pytest
@@ -57,7 +58,6 @@ def test_reader_reads_the_whisper_spec_with_fused_projections():
 
 
 def test_torch_tokens_equal_ctranslate2_greedy(model: Whisper, clips: list[dict[str, np.ndarray]], one_at_a_time: list[dict]):
-    ctranslate2 = pytest.importorskip("ctranslate2")
     oracle = ctranslate2.models.Whisper(str(model_dir()), device="cpu", compute_type="float32", intra_threads=2)
     features = ctranslate2.StorageView.from_array(np.stack([clip["mel"] for clip in clips]))
     prompt = model.prompt(None)
