@@ -16,7 +16,8 @@ by smaller ones, so nothing starves), where its deadline still applies. Past the
 or asking for more than the whole budget, it is rejected with a reason.
 
 Policies (mode): "continuous" joins at every step; "request" forms a batch only when the
-running set is empty and runs it until its longest sequence ends; "off" runs one at a time.
+running set is empty and runs it until its longest sequence ends (finished rows are stepped as
+padding and the batch is answered together, as a static batch runs); "off" runs one at a time.
 """
 
 from __future__ import annotations
@@ -97,15 +98,17 @@ class Sequence:
     peak_rows: int = 0  # the most sequences that shared a step with this one
     admitted_wall: float = 0.0  # wall clock, for traces
 
-    def next_input(self) -> int:
+    def next_input(self, eot: int) -> int:
         if self.position < len(self.prompt):
             return self.prompt[self.position]
-        return self.generated[self.position - len(self.prompt)]
+        index = self.position - len(self.prompt)
+        return self.generated[index] if index < len(self.generated) else eot  # a finished, padded row
 
     @property
     def samples_now(self) -> bool:
-        """The output of this step is a generated token, not a forced prompt token."""
-        return self.position + 1 >= len(self.prompt)
+        """The output of this step is a generated token (not a forced prompt token, nor the
+        output of a finished row kept as padding)."""
+        return self.reason is None and self.position + 1 >= len(self.prompt)
 
 
 @dataclass
@@ -159,7 +162,7 @@ class ContinuousPolicy:
         return Iteration(
             moves=moves,
             joins=tuple((s.row, s.payload) for s in joined),
-            tokens=tuple(s.next_input() for s in self.active),
+            tokens=tuple(s.next_input(self.eot) for s in self.active),
             positions=tuple(s.position for s in self.active),
             begin=tuple(s.position + 1 == len(s.prompt) for s in self.active),
         )
@@ -188,7 +191,7 @@ class ContinuousPolicy:
             sampled = seq.samples_now
             seq.position += 1
             if not sampled:
-                continue
+                continue  # a prompt position, or a padded row of a request-level batch
             if seq.first_token_at is None:
                 seq.first_token_at = now
             if token == self.eot:
@@ -200,6 +203,14 @@ class ContinuousPolicy:
             if seq.reason:
                 seq.finished_at = now
                 finished.append(seq)
+        if self.mode == "request":
+            # Request-level batching: a finished row stays in the step as padding, and the whole
+            # batch is answered when its longest sequence ends.
+            if any(seq.reason is None for seq in self.active):
+                return []
+            finished = list(self.active)
+            for seq in finished:
+                seq.finished_at = now
         self._leave(finished)
         return finished
 

@@ -199,6 +199,9 @@ def test_request_mode_runs_a_batch_until_its_longest_sequence_ends():
     model, p = FakeModel(), policy(rows=4, mode="request")
     done = drive(p, model, {0: [Job("short", 1), Job("long", 6)], 1: [Job("next", 1)]})
     assert done["next"][0] == done["long"][1] + 1  # waits although a row was free
+    assert done["short"][1] == done["long"][1]  # answered with its batch
+    assert all(names == ("short", "long") for names in model.steps[: done["long"][1] + 1])  # stepped as padding
+    assert model.fed["short"][len(PROMPT):] == [100] + [EOT] * 5  # after its end it feeds end-of-text
 
 
 def test_a_deadline_expires_a_waiting_sequence():
