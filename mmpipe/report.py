@@ -52,7 +52,8 @@ BREAKDOWN = (
 
 
 def summarize(result: JobResult) -> str:
-    """One line a person can read: the top label, the speech found, the embedding's size."""
+    """One line a person can read: the top label, the speech found and what was said, the
+    embedding's size."""
     p = result.prediction
     if result.status != "ok":
         return f"{(result.error or {}).get('code', result.status)}: {(result.error or {}).get('message', '')[:80]}"
@@ -72,7 +73,12 @@ def summarize(result: JobResult) -> str:
 def _speech(p: dict[str, Any]) -> str:
     segs = " ".join(f"{s['start_s']:.1f}-{s['end_s']:.1f}s" for s in p["segments"][:4])
     more = "..." if len(p["segments"]) > 4 else ""
-    return f"speech {p['speech_s']:.1f}s of {p['duration_s']:.1f}s: {segs}{more}"
+    said = f' "{_clip(p["transcript"]["text"])}"' if p.get("transcript") else ""
+    return f"speech {p['speech_s']:.1f}s of {p['duration_s']:.1f}s: {segs}{more}{said}"
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def results_table(results: list[JobResult]) -> Table:

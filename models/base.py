@@ -94,6 +94,44 @@ class LoadedModel(abc.ABC):
         """Run once on a representative input so the first real batch is not slow."""
 
 
+class AutoregressiveModel(LoadedModel):
+    """A model that generates step by step: the inference stage serves it with the continuous
+    batcher (streams/continuous.py, whose StepModel protocol the methods below fulfil) instead of
+    calling `predict` in batches."""
+
+    eot: int
+    max_new_tokens: int
+
+    @property
+    @abc.abstractmethod
+    def bytes_per_sequence(self) -> int:
+        """KV-cache bytes one sequence reserves at most."""
+
+    @abc.abstractmethod
+    def reserve_cache(self, budget_bytes: int) -> int:
+        """Preallocate the KV cache within the budget; returns how many sequences it holds."""
+
+    @abc.abstractmethod
+    def immediate(self, payload: dict[str, np.ndarray]) -> Any | None:
+        """The output when nothing needs generating, else None."""
+
+    @abc.abstractmethod
+    def sequence_bytes(self, payload: dict[str, np.ndarray]) -> int:
+        """The sequence's reservation; raises BadInput on input the model cannot take."""
+
+    @abc.abstractmethod
+    def prompt(self, payload: dict[str, np.ndarray]) -> list[int]:
+        """Forced tokens fed before the first generated one."""
+
+    @abc.abstractmethod
+    def run_iteration(self, iteration: Any) -> list[int]:
+        """Row moves, the joining sequences' encoder pass, one decoder step: the next tokens."""
+
+    @abc.abstractmethod
+    def output(self, payload: dict[str, np.ndarray], tokens: list[int], reason: str) -> Any:
+        """The answer from the generated tokens and why generation stopped."""
+
+
 class ModelSpec(abc.ABC):
     config: ModelConfig
 

@@ -11,7 +11,7 @@ from mmpipe.schemas import ModelRef
 # image default (or the event's model) and its audio track the audio default.
 DEFAULTS = {
     "image": ModelRef("resnet18", "imagenet1k-v1"),
-    "audio": ModelRef("silero-vad", "v6"),
+    "audio": ModelRef("whisper-tiny-en", "ct2-f16"),  # transcript plus the VAD's speech segments
     "text": ModelRef("all-minilm-l6-v2", "1"),
 }
 KIND_OF_MODALITY = {"image": "image", "audio": "audio", "text": "text", "video": "image"}
@@ -22,8 +22,9 @@ def all_specs() -> dict[ModelRef, ModelSpec]:
     from mmpipe.models.image_classifier import resnet18_spec
     from mmpipe.models.silero_vad import SileroVadSpec
     from mmpipe.models.text_embedding import TextEmbeddingSpec
+    from mmpipe.models.whisper import WhisperSpec
 
-    specs = [resnet18_spec(), SileroVadSpec(), TextEmbeddingSpec()]
+    specs = [resnet18_spec(), SileroVadSpec(), TextEmbeddingSpec(), WhisperSpec()]
     return {spec.ref: spec for spec in specs}
 
 

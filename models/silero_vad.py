@@ -32,6 +32,19 @@ WINDOW_S = 30.0  # long audio is cut into parts of this length by decode
 BUCKETS = tuple(int(s * SAMPLE_RATE) for s in (1, 2, 4, 8, 15, WINDOW_S))
 
 
+def window_pcm(tensors: dict[str, np.ndarray], meta: dict[str, Any], model: str) -> np.ndarray:
+    """A decoded audio window as mono float32 PCM at 16 kHz in [-1, 1], at most 30 s long."""
+    pcm = tensors.get("pcm")
+    if pcm is None or pcm.ndim != 1 or pcm.dtype != np.float32:
+        raise BadInput(f"{model} wants mono float32 PCM, got {None if pcm is None else (pcm.dtype, pcm.shape)}")
+    rate = int(meta.get("sample_rate", SAMPLE_RATE))
+    if rate != SAMPLE_RATE:
+        pcm = torchaudio.functional.resample(torch.from_numpy(pcm), rate, SAMPLE_RATE).numpy()
+    if pcm.size > BUCKETS[-1]:
+        raise BadInput(f"audio part of {pcm.size / SAMPLE_RATE:.1f} s exceeds the {WINDOW_S:.0f} s window")
+    return np.clip(pcm, -1.0, 1.0).astype(np.float32, copy=False)
+
+
 def _package_version() -> str:
     from importlib.metadata import version
 
@@ -53,17 +66,10 @@ class SileroVadSpec(ModelSpec):
         )
 
     def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
-        pcm = tensors.get("pcm")
-        if pcm is None or pcm.ndim != 1 or pcm.dtype != np.float32:
-            raise BadInput(f"silero-vad wants mono float32 PCM, got {None if pcm is None else (pcm.dtype, pcm.shape)}")
-        rate = int(meta.get("sample_rate", SAMPLE_RATE))
-        if rate != SAMPLE_RATE:
-            pcm = torchaudio.functional.resample(torch.from_numpy(pcm), rate, SAMPLE_RATE).numpy()
+        pcm = window_pcm(tensors, meta, self.config.name)
         if pcm.size < WINDOW_SAMPLES:
             raise BadInput(f"audio of {pcm.size} samples is shorter than one {WINDOW_SAMPLES}-sample frame")
-        if pcm.size > BUCKETS[-1]:
-            raise BadInput(f"audio part of {pcm.size / SAMPLE_RATE:.1f} s exceeds the {WINDOW_S:.0f} s window")
-        return {"pcm": np.clip(pcm, -1.0, 1.0).astype(np.float32, copy=False)}
+        return {"pcm": pcm}
 
     def bucket_key(self, tensors: dict[str, np.ndarray]) -> int:
         return bucket_length(int(tensors["pcm"].shape[0]), BUCKETS)

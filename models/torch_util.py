@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
+from mmpipe.schemas.settings import ContinuousSettings
+
 
 def resolve_device(device: str) -> str:
     if device == "auto":
@@ -29,3 +31,12 @@ def inference_context(device: str) -> Iterator[None]:
 
 def gpu_memory_bytes() -> int:
     return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
+
+
+def kv_cache_budget(settings: ContinuousSettings, device: str) -> int:
+    """KV-cache bytes for an autoregressive model: the configured bytes, or on CUDA (when a
+    fraction is set) that share of the memory free now, after the weights are loaded."""
+    if device.startswith("cuda") and settings.kv_cache_gpu_fraction > 0:
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * settings.kv_cache_gpu_fraction)
+    return settings.kv_cache_budget_bytes

@@ -50,6 +50,24 @@ class SchedulingSettings(BaseModel):
     worker_state_stale_s: float = Field(3.0, gt=0)
 
 
+class ContinuousSettings(BaseModel):
+    """Iteration-level batching of autoregressive models (speech to text): sequences join and
+    leave the running set at every decoder step; each reserves its whole KV cache on admission."""
+
+    # continuous: join at every step; request: a batch runs until its longest sequence ends;
+    # off: one sequence at a time.
+    mode: Literal["continuous", "request", "off"] = "continuous"
+    kv_cache_budget_bytes: int = Field(256 * 1024**2, ge=1)
+    # On CUDA, when > 0: the budget is this share of the free device memory at start-up.
+    kv_cache_gpu_fraction: float = Field(0.0, ge=0.0, le=0.95)
+    # Bound of sequences waiting for a reservation; beyond it a sequence is rejected.
+    max_queue: int = Field(64, ge=1)
+    # Sequences joining at one step share one encoder pass of at most this many.
+    max_join_per_step: int = Field(8, ge=1)
+    # Most sequences in one decoder step: the cache gets no more slots than this, whatever the budget.
+    max_sequences: int = Field(64, ge=1)
+
+
 class KafkaSecurity(BaseModel):
     """Client security for a secured cluster; PLAINTEXT for the embedded broker."""
 
@@ -156,11 +174,12 @@ class Settings(BaseSettings):
     # embedded broker, each stage, the inference stage's event loop) runs on the rest.
     # Empty: no pinning. E.g. MMPIPE_MODEL_CPUS=1 on a 2-core machine (see streams/affinity.py).
     model_cpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
-    models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2"])
+    models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["resnet18", "silero-vad", "all-minilm-l6-v2", "whisper-tiny-en"])
     weights_dir: Path | None = None  # default: <state_dir>/weights
     allow_random_weights: bool = False
     batching: dict[str, BatchingSettings] = Field(default_factory=dict)
     default_batching: BatchingSettings = BatchingSettings()
+    continuous: ContinuousSettings = ContinuousSettings()
     inference_workers: int = Field(2, ge=1)  # CPU workers for preprocess
     # Fault injection for benchmarks and tests (a degraded replica): extra time per batch.
     inject_execute_delay_ms: float = Field(0.0, ge=0.0)

@@ -1,8 +1,10 @@
 """Inference stage (GPU when present): ready -> predictions.
 
-Loads the configured models once, gives each its own DynamicBatcher (max batch size, max wait
-of the oldest item, shape buckets, deadlines) and executor thread, and answers every item with
-a Prediction carrying the batch it ran in. An item the model fails on alone is dead-lettered
+Loads the configured models once, gives each its own executor thread and batcher, and answers
+every item with a Prediction carrying the batch it ran in. One-shot models get a DynamicBatcher
+(max batch size, max wait of the oldest item, shape buckets, deadlines); autoregressive ones
+(speech to text) a ContinuousBatcher: sequences join and leave the running set at every decoder
+step, each holding a KV-cache slot reserved from the configured budget when it is admitted. An item the model fails on alone is dead-lettered
 with the model's error; an item whose deadline passed is answered as expired, never run.
 """
 
@@ -15,13 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from mmpipe.models.base import BadInput, LoadedModel
+from mmpipe.models.base import AutoregressiveModel, BadInput, LoadedModel
 from mmpipe.models.registry import specs_by_name
-from mmpipe.models.torch_util import gpu_memory_bytes, resolve_device
+from mmpipe.models.torch_util import gpu_memory_bytes, kv_cache_budget, resolve_device
 from mmpipe.schemas import BadMessage, ModelRef, Prediction, WorkItem, decode_work_item, failed_part, to_json
 from mmpipe.schemas.events import WorkerState
 from mmpipe.streams.affinity import pin_model_thread
 from mmpipe.streams.batching import DynamicBatcher, Expired, ItemFailed
+from mmpipe.streams.continuous import ContinuousBatcher, Rejected
 from mmpipe.streams.faults import crash_point
 from mmpipe.streams.priority import is_late
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
@@ -45,7 +48,7 @@ class InferenceStage(Stage):
             torch.set_num_threads(self.settings.torch_threads)
         for model in self.models.values():
             model.warmup()
-        self.batchers: dict[ModelRef, DynamicBatcher] = {}
+        self.batchers: dict[ModelRef, DynamicBatcher | ContinuousBatcher] = {}
         # What the router on the preprocess side places work by: this worker's own report.
         self.service_clock = ServiceClock()
         self.reporter = WorkerReporter(self.settings, self._worker_state) if self.settings.scheduling.routing else None
@@ -56,21 +59,44 @@ class InferenceStage(Stage):
 
     async def start(self) -> None:
         for ref, model in self.models.items():
-            batcher = DynamicBatcher(
-                name=ref.name,
-                predict=self._with_injected_faults(model.predict),
-                bucket_key=model.spec.bucket_key,
-                settings=self.settings.batching_for(ref.name),
-                model_limit=model.spec.config.max_batch_size,
-                executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}", initializer=pin_model_thread,
-                                            initargs=(self.settings.model_cpus,)),
-                metrics=self.metrics,
-                aging_s=self.settings.scheduling.aging_s,
-            )
+            autoregressive = isinstance(model, AutoregressiveModel)
+            batcher = self._continuous(ref, model) if autoregressive else self._dynamic(ref, model)
             batcher.start()
             self.batchers[ref] = batcher
         if self.reporter is not None:
             self.reporter.start()
+
+    def _dynamic(self, ref: ModelRef, model: LoadedModel) -> DynamicBatcher:
+        return DynamicBatcher(
+            name=ref.name,
+            predict=self._with_injected_faults(model.predict),
+            bucket_key=model.spec.bucket_key,
+            settings=self.settings.batching_for(ref.name),
+            model_limit=model.spec.config.max_batch_size,
+            executor=self._model_executor(ref),
+            metrics=self.metrics,
+            aging_s=self.settings.scheduling.aging_s,
+        )
+
+    def _continuous(self, ref: ModelRef, model: AutoregressiveModel) -> ContinuousBatcher:
+        settings = self.settings.continuous
+        budget = min(kv_cache_budget(settings, model.device), settings.max_sequences * model.bytes_per_sequence)
+        rows = model.reserve_cache(budget)
+        log.info("%s: KV-cache budget %d bytes, %d sequence slots (%s)", ref, budget, rows, settings.mode)
+        return ContinuousBatcher(
+            name=ref.name,
+            model=model,
+            settings=settings,
+            budget_bytes=budget,
+            max_rows=rows,
+            executor=self._model_executor(ref),
+            metrics=self.metrics,
+        )
+
+    def _model_executor(self, ref: ModelRef) -> ThreadPoolExecutor:
+        """One thread per model, on the model's own cores when MMPIPE_MODEL_CPUS names them."""
+        return ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}", initializer=pin_model_thread,
+                                  initargs=(self.settings.model_cpus,))
 
     def _with_injected_faults(self, predict: Callable[[list], list]) -> Callable[[list], list]:
         """The model call with the configured fault injection: a degraded replica (a delay per
@@ -128,6 +154,9 @@ class InferenceStage(Stage):
             output, info = await batcher.submit(item.tensors, item.deadline, item.priority, item.on_timeout)
         except Expired as exc:
             return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc),
+                                             priority=item.priority)]
+        except Rejected as exc:
+            return [self.answer_without_work("rejected", **common, trace=item.trace, detail=str(exc),
                                              priority=item.priority)]
         except ItemFailed as exc:
             raise BadMessage("model_error", str(exc)) from None

@@ -159,7 +159,38 @@ def _oldest(heap: list[Entry]) -> float:
     return min(e[2].arrived for e in heap)
 
 
-class DynamicBatcher:
+class BatcherLoop:
+    """A batcher's scheduling loop (`_run`) as a task from start() to stop(), and its sleep
+    until new work is signalled or the policy's next due time."""
+
+    _task: asyncio.Task | None = None
+    _wakeup: asyncio.Event
+    _clock: Callable[[], float]
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    async def _sleep_until(self, wake: float | None) -> None:
+        self._wakeup.clear()
+        try:
+            timeout = None if wake is None else max(wake - self._clock(), 0.0)
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+
+class DynamicBatcher(BatcherLoop):
     """Queues items for one model and runs them in batches on a single executor thread."""
 
     def __init__(
@@ -185,18 +216,6 @@ class DynamicBatcher:
         self._wakeup = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
 
     async def submit(
         self, payload: Any, deadline_wall: float, priority: int = NORMAL_PRIORITY, on_timeout: str = "reject",
@@ -226,13 +245,7 @@ class DynamicBatcher:
                 batch, trigger = ready
                 await self._execute(batch, trigger, now)
                 continue
-            wake = self.policy.wake_at()
-            self._wakeup.clear()
-            try:
-                timeout = None if wake is None else max(wake - self._clock(), 0.0)
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+            await self._sleep_until(self.policy.wake_at())
 
     async def _execute(self, batch: list[Pending], trigger: str, now: float) -> None:
         loop = asyncio.get_running_loop()

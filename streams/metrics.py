@@ -93,6 +93,33 @@ class StageMetrics:
             ["model", "trigger"], registry=r,
         )
         self.batcher_queue = Gauge("mm_batcher_queued_items", "Items waiting in the batcher", ["model"], registry=r)
+        # Continuous batching of autoregressive models (streams/continuous.py), per model.
+        self.active_sequences = Gauge("mm_active_sequences", "Sequences in the running set", ["model"], registry=r)
+        self.kv_reserved = Gauge("mm_kv_reserved_bytes", "KV-cache bytes reserved by running sequences", ["model"], registry=r)
+        self.kv_budget = Gauge("mm_kv_budget_bytes", "KV-cache budget admission reserves from", ["model"], registry=r)
+        self.admission_wait = Histogram(
+            "mm_admission_wait_seconds", "Arrival to admission into the running set (waiting for KV memory)",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "mm_time_to_first_token_seconds", "Arrival to the first generated token", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "mm_time_per_output_token_seconds", "Mean time between a sequence's generated tokens", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.generated_tokens = Counter(
+            "mm_generated_tokens_total", "Decoder output tokens (tokens/s is its rate)", ["model"], registry=r,
+        )
+        self.sequences_finished = Counter(
+            "mm_sequences_finished_total",
+            "Sequences ended, by reason (eot, length, no_decoding, expired, kv_queue_full, kv_too_large, failed)",
+            ["model", "reason"], registry=r,
+        )
+        self.decode_step_rows = Histogram(
+            "mm_decode_step_rows", "Sequences in one decoder step", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=r,
+        )
         self.gpu_memory = Gauge("mm_gpu_memory_bytes", "Peak GPU memory allocated by torch", registry=r)
         self.end_to_end = Histogram(
             "mm_end_to_end_seconds", "Job creation to stored result, by job modality and status",

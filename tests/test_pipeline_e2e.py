@@ -60,7 +60,8 @@ def test_every_modality_end_to_end(shared_pipeline, media):
     # real speech between silences: the VAD finds it, and not in the leading second of silence
     segments = audio.prediction["segments"]
     assert segments and segments[0]["start_s"] >= 0.8 and audio.prediction["speech_s"] > 2.0
-    assert audio.model == ModelRef("silero-vad", "v6") and audio.weights == "pretrained"
+    assert audio.model == ModelRef("whisper-tiny-en", "ct2-f16") and audio.weights == "pretrained"
+    assert "streaming" in audio.prediction["transcript"]["text"].lower()  # what was said, as text
     embedding = text.prediction["embedding"]
     assert len(embedding) == 384 and sum(x * x for x in embedding) == pytest.approx(1.0, abs=1e-3)
 

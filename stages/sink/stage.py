@@ -166,6 +166,9 @@ def _prediction(modality: str, parts: list[Prediction]) -> Any:
     ]
     audio = [p for p in parts if p.kind == "audio"]
     speech = merge_speech(audio) if audio else None
+    transcript = merge_transcript(audio)
+    if speech is not None and transcript is not None:
+        speech["transcript"] = transcript
     if modality == "audio":
         return speech
     return {"frames": frames, "audio": speech}
@@ -190,6 +193,29 @@ def merge_speech(parts: list[Prediction]) -> dict[str, Any]:
     if failed:  # windows that failed on their own, beside the others' segments
         merged["failed_windows"] = [{"offset_s": p.meta.get("offset_s"), "error": p.error} for p in failed]
     return merged
+
+
+def merge_transcript(parts: list[Prediction]) -> dict[str, Any] | None:
+    """Join per-window transcripts (a speech-to-text model's parts) into one: a segment per
+    window with speech, timed by the window's first and last speech, and the text in order."""
+    windows = sorted((p for p in parts if "text" in (p.output or {})), key=lambda p: p.meta.get("offset_s", 0.0))
+    if not windows:
+        return None
+    segments = []
+    for part in windows:
+        out = part.output
+        if not out["text"] or not out.get("segments"):
+            continue  # silence, or speech the model heard no words in
+        offset = float(part.meta.get("offset_s", 0.0))
+        segments.append({
+            "start_s": round(offset + out["segments"][0]["start_s"], 3),
+            "end_s": round(offset + out["segments"][-1]["end_s"], 3),
+            "text": out["text"],
+            "tokens": out.get("tokens", []),
+            "truncated": bool(out.get("truncated", False)),  # hit the model's token limit
+        })
+    first = windows[0]
+    return {"text": " ".join(s["text"] for s in segments), "segments": segments, "model": str(first.model), "weights": first.weights}
 
 
 def timings_from_trace(trace: dict[str, float], created: float, completed: float, batch_size: int = 0) -> Timings:
