@@ -39,6 +39,7 @@ import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -721,4 +722,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health_router(runtime))
     app.include_router(jobs_router(runtime))
+    app.add_api_route("/metrics", metrics_page, include_in_schema=False)
     return app
+
+
+def metrics_page() -> Response:
+    """What compose's Prometheus scrapes: the process's own metrics (CPU, memory, file
+    descriptors, GC) from prometheus-client's default registry."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

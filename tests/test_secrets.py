@@ -58,6 +58,17 @@ def test_api_docs_can_be_turned_off(tmp_path):
     assert off.openapi_url is None and off.docs_url is None and off.redoc_url is None
 
 
+def test_api_serves_its_process_metrics_for_prometheus(tmp_path):
+    """compose's Prometheus scrapes api:8080/metrics: the page is there, in Prometheus' format."""
+    from fastapi.testclient import TestClient
+
+    from mmpipe.api import create_app
+
+    app = create_app(Settings(store_url=f"sqlite:///{tmp_path / 'r.db'}"))
+    page = TestClient(app).get("/metrics")  # no lifespan: the page needs neither broker nor store
+    assert page.status_code == 200 and "process_cpu_seconds_total" in page.text
+
+
 def test_api_refuses_to_serve_off_loopback_without_a_token(monkeypatch):
     monkeypatch.delenv("MMPIPE_API_TOKEN", raising=False)
     result = CliRunner().invoke(cli, ["api", "--host", "0.0.0.0", "--port", "1"])
