@@ -146,7 +146,7 @@ class LagReader:
 
     async def _metadata_consumer(self) -> AIOKafkaConsumer:
         if self._consumer is None:
-            consumer = AIOKafkaConsumer(**client_kwargs(self.settings), enable_auto_commit=False)
+            consumer = groupless_consumer(self.settings, offset_reset="latest")  # never fetches
             await consumer.start()
             self._consumer = consumer
         return self._consumer

@@ -63,9 +63,3 @@ def stage_spec(name: str) -> StageSpec:
 
 def metrics_port(base: int, stage: str, index: int) -> int:
     return base + PORTS_PER_STAGE * stage_spec(stage).slot + index
-
-
-def stage_of_port(base: int, port: int) -> str | None:
-    """The stage whose metrics slot holds `port` under `up`'s layout, if any."""
-    slot = (port - base) // PORTS_PER_STAGE if port >= base else -1
-    return next((spec.name for spec in PIPELINE if spec.slot == slot), None)

@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from mmpipe.schemas import JobResult
 from mmpipe.schemas.settings import Settings
-from mmpipe.streams.kafka import client_kwargs
+from mmpipe.streams.kafka import groupless_consumer
 from mmpipe.streams.topics import TopicNames
 
 IDLE_LOAD = 0.3  # the latency check: p50 at 30% of saturation must not rise > 10%
@@ -100,9 +100,7 @@ class TopicBytes:
         return asyncio.run(self._with_consumer(self._read_added))
 
     async def _with_consumer(self, work: Any) -> Any:
-        consumer = AIOKafkaConsumer(**client_kwargs(self.settings), enable_auto_commit=False,
-                                    max_partition_fetch_bytes=self.settings.max_message_bytes,
-                                    fetch_max_bytes=self.settings.max_message_bytes)
+        consumer = groupless_consumer(self.settings, offset_reset="earliest")
         await consumer.start()
         try:
             return await work(consumer)
