@@ -24,6 +24,7 @@ from mmpipe.stages.sink.store import JobRecord, ResultStore, StoreUnavailable, o
 from mmpipe.schemas import BadMessage, JobResult, MediaEvent, decode_result, encode_event
 from mmpipe.streams.kafka import ensure_topics, make_producer
 from mmpipe.streams.retry import async_retrying
+from mmpipe.streams.tasks import cancel_and_wait, close_within
 from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,7 @@ class BrokerLink:
             # Before the first publish: the API may come up before anything created the topics.
             await asyncio.wait_for(ensure_topics(self.settings, timeout_s=CONNECT_TIMEOUT_S), CONNECT_TIMEOUT_S)
         except (KafkaError, OSError, asyncio.TimeoutError, RuntimeError) as exc:
-            with contextlib.suppress(Exception):
-                await producer.stop()
+            await close_within(producer.stop(), CONNECT_TIMEOUT_S, "the events producer")
             raise BrokerUnavailable(f"cannot connect to {self.settings.bootstrap}: {_describe(exc)}") from exc
         return producer
 
@@ -149,8 +149,7 @@ class BrokerLink:
     async def close(self) -> None:
         async with self._lock:
             if self._producer is not None:
-                with contextlib.suppress(Exception):
-                    await self._producer.stop()
+                await close_within(self._producer.stop(), CONNECT_TIMEOUT_S, "the events producer")
                 self._producer = None
 
 
@@ -206,11 +205,8 @@ class ResultListener:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="results-listener")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         # Connecting is retried with full-jitter backoff; once connected, a failure ends the
@@ -230,8 +226,7 @@ class ResultListener:
                 await asyncio.sleep(first)
             finally:
                 self._positioned = False
-                with contextlib.suppress(Exception):
-                    await consumer.stop()
+                await close_within(consumer.stop(), CONNECT_TIMEOUT_S, "the results consumer")
 
     def _report(self, exc: BaseException, attempt: int, delay: float) -> None:
         self.last_error = _describe(exc)
@@ -252,8 +247,7 @@ class ResultListener:
             for tp in tps:  # resolve the end offsets now, not lazily on the first fetch
                 await asyncio.wait_for(consumer.position(tp), CONNECT_TIMEOUT_S)
         except BaseException:
-            with contextlib.suppress(Exception):
-                await consumer.stop()
+            await close_within(consumer.stop(), CONNECT_TIMEOUT_S, "the results consumer")
             raise
         return consumer
 

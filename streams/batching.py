@@ -33,6 +33,7 @@ from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.schemas.settings import BatchingSettings
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.priority import rank
+from mmpipe.streams.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +172,7 @@ class BatcherLoop:
         self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         raise NotImplementedError

@@ -22,6 +22,7 @@ from mmpipe.schemas.codec import from_json
 from mmpipe.schemas.events import WorkerState
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.kafka import groupless_consumer, make_producer
+from mmpipe.streams.tasks import cancel_and_wait
 from mmpipe.streams.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,7 @@ class _Background:
         self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         raise NotImplementedError

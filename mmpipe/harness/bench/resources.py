@@ -21,6 +21,7 @@ import psutil
 
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.kafka import LagReader
+from mmpipe.streams.tasks import cancel_and_wait
 from mmpipe.streams.topology import STAGE_NAMES
 
 MiB = 1024 * 1024
@@ -173,12 +174,7 @@ class LagSampler:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         if self._reader is not None:
             await self._reader.close()
 
