@@ -38,6 +38,7 @@ import msgspec
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -274,6 +275,7 @@ def payload_limit(settings: Settings) -> int:
 
 
 # Auth -------------------------------------------------------------------------------------------
+OPENAPI_URL = "/openapi.json"
 bearer_scheme = HTTPBearer(auto_error=False, description="Authorization: Bearer <MMPIPE_API_TOKEN>")
 
 
@@ -670,6 +672,28 @@ def health_router(runtime: ApiRuntime) -> APIRouter:
     return router
 
 
+def docs_router(app: FastAPI, settings: Settings) -> APIRouter:
+    """The OpenAPI document and its two viewers. With a token set they need it like /v1 does:
+    the document lists every route and field, which is a map for whoever probes the API. (A
+    browser sends no bearer header by itself: read them with a client that does.)"""
+    auth = [Depends(bearer_auth(secret(settings.api_token)))] if settings.api_token else []
+    router = APIRouter(dependencies=auth, include_in_schema=False)
+
+    @router.get(OPENAPI_URL)
+    async def openapi_document() -> Response:
+        return json_response(200, app.openapi())
+
+    @router.get("/docs")
+    async def swagger_ui() -> Response:
+        return get_swagger_ui_html(openapi_url=OPENAPI_URL, title=f"{app.title} - docs")
+
+    @router.get("/redoc")
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url=OPENAPI_URL, title=f"{app.title} - ReDoc")
+
+    return router
+
+
 # Error handlers ---------------------------------------------------------------------------------
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -715,13 +739,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="1",
         summary="Submit media jobs to the mmpipe pipeline and read their results.",
         lifespan=lifespan,
-        **({} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
+        docs_url=None, redoc_url=None, openapi_url=None,  # served by docs_router, behind the token
     )
     app.state.runtime = runtime
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))
     install_error_handlers(app)
     app.include_router(health_router(runtime))
     app.include_router(jobs_router(runtime))
+    if settings.api_docs:
+        app.include_router(docs_router(app, settings))
     app.add_api_route("/metrics", metrics_page, include_in_schema=False)
     return app
 

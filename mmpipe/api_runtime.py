@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
+from pydantic import SecretStr
 
 from mmpipe.client import results_reader
 from mmpipe.schemas.settings import Settings
@@ -47,7 +48,7 @@ class StoreWorker:
     """The store's blocking calls on one thread, off the event loop. One thread, because the
     SQLite backend serialises every transaction (reads too) and keeps a connection per thread."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: SecretStr | str) -> None:
         self.store: ResultStore = open_store(url)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="api-store")
         self._schema_ready = False

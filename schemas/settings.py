@@ -188,9 +188,9 @@ class Settings(BaseSettings):
     scheduling: SchedulingSettings = SchedulingSettings()
 
     # --- Sink ---------------------------------------------------------------------------
-    # default: sqlite:///<state_dir>/results.db. May hold a password: never printed or logged
-    # as is (redact_url), left out of the settings' repr.
-    store_url: str = Field("", repr=False)
+    # default: sqlite:///<state_dir>/results.db. May hold a password: a SecretStr (its str()
+    # is masked), shown only through redact_url, written out only by write_settings.
+    store_url: SecretStr = Field(SecretStr(""), repr=False)
 
     # --- Observability ------------------------------------------------------------------
     metrics_port: int = 0  # 0 = no metrics server; `up` gives each stage its own port
@@ -237,7 +237,7 @@ class Settings(BaseSettings):
         return value
 
     @field_serializer("store_url", when_used="json")
-    def _store_url_redacted(self, url: str) -> str:
+    def _store_url_redacted(self, url: SecretStr | str) -> str:
         return redact_url(url)  # JSON dumps are for people; write_settings dumps the real one
 
     @model_validator(mode="after")
@@ -245,8 +245,8 @@ class Settings(BaseSettings):
         self.state_dir = self.state_dir.absolute()
         if self.weights_dir is None:
             self.weights_dir = self.state_dir / "weights"
-        if not self.store_url:
-            self.store_url = f"sqlite:///{self.state_dir / 'results.db'}"
+        if not secret(self.store_url):
+            self.store_url = SecretStr(f"sqlite:///{self.state_dir / 'results.db'}")
         return self
 
     def state_path(self, *parts: str) -> Path:
@@ -298,10 +298,11 @@ def secret(value: SecretStr | str | None) -> str | None:
     return value.get_secret_value() if isinstance(value, SecretStr) else value
 
 
-def redact_url(url: str) -> str:
+def redact_url(store_url: SecretStr | str) -> str:
     """A connection URL fit for logs and screens: its password replaced by ***."""
     from urllib.parse import urlsplit, urlunsplit
 
+    url = secret(store_url) or ""
     parts = urlsplit(url)
     if parts.password is None:
         return url

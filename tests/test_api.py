@@ -234,8 +234,7 @@ async def test_v1_routes_need_the_bearer_token(api_settings):
         async with client_for(app, None) as client:
             basic = await client.get(f"/v1/jobs/{job_id}", headers={"Authorization": "Basic dXNlcjpwYXNz"})
             assert_error(basic, 401, "missing_token")
-            assert (await client.get("/healthz")).status_code == 200  # probes and docs stay open
-            assert (await client.get("/openapi.json")).status_code == 200
+            assert (await client.get("/healthz")).status_code == 200  # probes stay open
     assert open_store(api_settings.store_url).get_job(job_id) is None  # nothing was recorded
 
 
@@ -398,8 +397,18 @@ async def test_sync_waiters_are_bounded(api_settings, tmp_path):
         assert app.state.runtime.sync_waiters == 0 and app.state.runtime.listener.waiting == 0
 
 
+async def test_docs_and_openapi_are_behind_the_token(api_settings):
+    async with running_app(api_settings) as app, client_for(app, None) as anonymous:
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert_error(await anonymous.get(path), 401, "missing_token")
+    async with running_app(api_settings) as app, client_for(app) as client:
+        for path in ("/docs", "/redoc"):
+            page = await client.get(path)
+            assert page.status_code == 200 and "/openapi.json" in page.text
+
+
 async def test_openapi_lists_the_routes(api_settings):
-    async with running_app(api_settings) as app, client_for(app, None) as client:
+    async with running_app(api_settings) as app, client_for(app) as client:
         spec = (await client.get("/openapi.json")).json()
     paths = spec["paths"]
     assert set(paths) == {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/predict", "/healthz", "/readyz"}

@@ -32,6 +32,28 @@ def test_secrets_never_show_in_repr_str_logs_or_dumps(caplog):
     assert secret(settings.api_token) == TOKEN and secret(settings.security.sasl_password) == PASSWORD
 
 
+def test_store_url_is_a_secret_whose_uses_see_the_real_value(tmp_path):
+    from mmpipe.stages.sink.store import open_store
+
+    settings = _settings()
+    assert PASSWORD not in f"{settings.store_url} {settings.store_url!r}"
+    assert secret(settings.store_url) == f"postgresql://mmpipe:{PASSWORD}@db.example:5432/results"
+    assert json.loads(settings.model_dump_json())["store_url"] == "postgresql://mmpipe:***@db.example:5432/results"
+    local = Settings(store_url=f"sqlite:///{tmp_path / 'r.db'}")
+    store = open_store(local.store_url)  # a SecretStr opens as the URL it holds
+    try:
+        store.init_schema()
+        assert store.counts()["results"] == 0
+    finally:
+        store.close()
+    try:
+        open_store(f"mysql://mmpipe:{PASSWORD}@db/r")
+    except ValueError as exc:
+        assert "unsupported store URL" in str(exc) and PASSWORD not in str(exc)
+    else:
+        raise AssertionError("an unsupported store URL was accepted")
+
+
 def test_store_url_password_is_redacted():
     assert redact_url(f"postgresql://mmpipe:{PASSWORD}@db:5432/r") == "postgresql://mmpipe:***@db:5432/r"
     assert redact_url("sqlite:////var/results.db") == "sqlite:////var/results.db"
@@ -50,12 +72,16 @@ def test_settings_file_is_0600_and_carries_the_real_secrets(tmp_path, monkeypatc
 
 
 def test_api_docs_can_be_turned_off(tmp_path):
+    from fastapi.testclient import TestClient
+
     from mmpipe.api import create_app
 
     local = {"store_url": f"sqlite:///{tmp_path / 'r.db'}"}
-    assert create_app(Settings(**local)).openapi_url == "/openapi.json"
-    off = create_app(Settings(api_docs=False, **local))
-    assert off.openapi_url is None and off.docs_url is None and off.redoc_url is None
+    on = TestClient(create_app(Settings(**local)))  # no lifespan: these pages need no broker
+    off = TestClient(create_app(Settings(api_docs=False, **local)))
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert on.get(path).status_code == 200, path
+        assert off.get(path).status_code == 404, path
 
 
 def test_api_serves_its_process_metrics_for_prometheus(tmp_path):

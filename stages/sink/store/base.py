@@ -25,6 +25,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import SecretStr
+
+from mmpipe.schemas.settings import redact_url, secret
 from mmpipe.schemas import DeadLetter, JobResult, Prediction, Refused, decode_prediction, decode_result, to_json
 
 STATE_RANK = {
@@ -140,8 +143,9 @@ def model_label(result_or_prediction: Any) -> str | None:
     return None if model is None else f"{model.name}:{model.version}"
 
 
-def open_store(url: str) -> ResultStore:
+def open_store(store_url: SecretStr | str) -> ResultStore:
     """sqlite:///path/to.db (embedded default) or postgresql://user:pass@host/db."""
+    url = secret(store_url) or ""
     if url.startswith("sqlite:"):
         from mmpipe.stages.sink.store.sqlite import SqliteStore
 
@@ -150,10 +154,10 @@ def open_store(url: str) -> ResultStore:
         from mmpipe.stages.sink.store.postgres import PostgresStore
 
         return PostgresStore(url)
-    raise ValueError(f"unsupported store URL {url!r}: use sqlite:///file.db or postgresql://...")
+    raise ValueError(f"unsupported store URL {redact_url(url)!r}: use sqlite:///file.db or postgresql://...")
 
 
-def count_results(url: str) -> int:
+def count_results(url: SecretStr | str) -> int:
     """Result rows in the store at `url` (opened and closed for this one question)."""
     store = open_store(url)
     try:

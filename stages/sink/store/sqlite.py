@@ -15,6 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
+from mmpipe.schemas.settings import secret
 from mmpipe.stages.sink.store.base import StoreUnavailable
 from mmpipe.stages.sink.store.sql import SqlStore
 
@@ -26,8 +29,9 @@ OUTAGE_CODES = frozenset({
 })
 
 
-def sqlite_path(url: str) -> str:
+def sqlite_path(store_url: SecretStr | str) -> str:
     # sqlite:///relative/path.db, sqlite:////absolute/path.db, sqlite:///:memory:
+    url = secret(store_url) or ""
     if not url.startswith("sqlite:///"):
         raise ValueError(f"SQLite URLs look like sqlite:///path/to.db, got {url!r}")
     return url[len("sqlite:///") :]
