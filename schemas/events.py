@@ -172,6 +172,10 @@ class WorkerState(msgspec.Struct, frozen=True):
     waits_s: dict[str, float]  # measured queue wait per partition (EWMA), keys are partitions
     at: float  # epoch seconds of the report
     schema_version: int = SCHEMA_VERSION
+    # Items the worker holds at `at` (taken from `ready`, not yet answered): its queue, exact,
+    # where the group's committed lag also counts work finished since the last commit.
+    # None from a writer that does not report it (the router then uses the lag).
+    backlog: int | None = None
 
 
 class JobResult(msgspec.Struct):

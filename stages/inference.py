@@ -51,11 +51,13 @@ class InferenceStage(Stage):
         self.batchers: dict[ModelRef, DynamicBatcher | ContinuousBatcher] = {}
         # What the router on the preprocess side places work by: this worker's own report.
         self.service_clock = ServiceClock()
+        self.holding = 0  # items taken and not yet answered: the backlog this worker reports
         self.reporter = WorkerReporter(self.settings, self._worker_state) if self.settings.scheduling.routing else None
 
     def _worker_state(self) -> WorkerState:
         ready = bool(self.batchers) and bool(self.assigned)
-        return snapshot(worker_name(), set(self.assigned), ready, [ref.name for ref in self.models], self.service_clock)
+        return snapshot(worker_name(), set(self.assigned), ready, [ref.name for ref in self.models], self.service_clock,
+                        self.holding)
 
     async def start(self) -> None:
         for ref, model in self.models.items():
@@ -127,6 +129,13 @@ class InferenceStage(Stage):
             await batcher.stop()
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
+        self.holding += 1
+        try:
+            return await self._handle(message)
+        finally:
+            self.holding -= 1
+
+    async def _handle(self, message: Incoming) -> list[Outgoing]:
         item = decode_work_item(message.value)
         item.trace["inference_in"] = message.received_at
         batcher = self.batchers.get(item.model)

@@ -3,13 +3,18 @@
 The preprocess stage asks a Router which partition of `ready` each work item goes to; the
 inference workers that own those partitions execute and report what happened (WorkerState on
 the `workers` topic: partitions, readiness, loaded models, measured service and queue times).
-The router works from those slightly stale signals plus the inference group's lag per
-partition, and counts what it sent itself since the last lag read-out, so it does not pile
-onto one partition between two read-outs.
+The router works from those slightly stale signals and counts what it sent itself since, so
+it does not pile onto one partition between two reports.
 
-Expected wait of partition p = backlog of p's owner (its partitions' lag + what this router
-sent there since the read-out) x the owner's measured seconds per item. A worker drains all
-its partitions through one batcher, so the owner's whole backlog is what an item waits behind.
+Expected wait of partition p = backlog of p's owner x the owner's measured seconds per item.
+A worker drains all its partitions through one batcher, so the owner's whole backlog is what
+an item waits behind. The backlog now is estimated as a fluid queue from the owner's last
+report: the items it held then, plus what this router sent to its partitions since, less what
+it drained since at its measured rate (never below what was sent in the last item time). The
+worker's own count is exact where the group's committed lag is not: lag also counts work
+finished since the last commit (up to commit_interval_s of it), which made a fast worker look
+as backed up as a slow one. A worker that reports no backlog (an older writer) is estimated
+from the lag read-out plus what was sent since it.
 
 Guardrails, because chasing the lowest queue thrashes:
   * only partitions whose owner reported recently, is ready and has the model loaded;
@@ -51,6 +56,7 @@ class Router:
     workers: dict[str, WorkerState] = field(default_factory=dict)
     lag: dict[int, int] = field(default_factory=dict)  # the inference group's, per partition
     sent: Counter[int] = field(default_factory=Counter)  # routed here since the lag read-out
+    _sends: deque[tuple[float, int]] = field(default_factory=deque)  # (when, partition), recent
     flips: int = 0  # changes of the preferred partition ...
     escapes: int = 0  # ... of which inside a sticky window (route_escape_ratio)
     _choices: dict[str, _Choice] = field(default_factory=dict)  # per model
@@ -74,13 +80,9 @@ class Router:
         known = [s.item_s for s in owners.values() if s.item_s]
         # Unmeasured (new, or never sent anything): as fast as the fastest, so it gets tried.
         default_item_s = min(known) if known else 1.0
-        backlog: Counter[str] = Counter()
-        for partition, state in owners.items():
-            backlog[state.worker] += self.lag.get(partition, 0) + self.sent[partition]
-        return {
-            partition: (backlog[state.worker] + 1) * (state.item_s or default_item_s)
-            for partition, state in owners.items()
-        }
+        item_s = {state.worker: state.item_s or default_item_s for state in owners.values()}
+        backlog = self._backlogs(owners, item_s)
+        return {partition: (backlog[state.worker] + 1) * item_s[state.worker] for partition, state in owners.items()}
 
     def choose(self, model: str, fallback: int | None = None) -> int | None:
         """The partition for one item of `model`; `fallback` (None: the key's hash partition)
@@ -129,6 +131,32 @@ class Router:
                     del owners[partition]
         return owners
 
+    def _backlogs(self, owners: dict[int, WorkerState], item_s: dict[str, float]) -> dict[str, float]:
+        """Items queued at each owning worker now (see the module's docstring)."""
+        now = self.clock()
+        partitions: dict[str, list[int]] = {}
+        for partition, state in owners.items():
+            partitions.setdefault(state.worker, []).append(partition)
+        backlog: dict[str, float] = {}
+        for worker, mine in partitions.items():
+            state = owners[mine[0]]
+            if state.backlog is None:
+                backlog[worker] = sum(self.lag.get(p, 0) + self.sent[p] for p in mine)
+                continue
+            since = self._sent_since(state.at, mine)
+            recent = self._sent_since(now - item_s[worker], mine)
+            drained = max(now - state.at, 0.0) / item_s[worker]
+            backlog[worker] = max(state.backlog + since - drained, recent)
+        return backlog
+
+    def _sent_since(self, moment: float, partitions: list[int]) -> int:
+        count = 0
+        for at, partition in reversed(self._sends):  # newest first; one sent at `moment` counts
+            if at < moment:
+                break
+            count += partition in partitions
+        return count
+
     def _preferred(self, model: str, waits: dict[int, float], now: float) -> int:
         best = min(waits, key=lambda p: (waits[p], self.lag.get(p, 0) + self.sent[p], p))
         choice = self._choices.get(model)
@@ -163,6 +191,10 @@ class Router:
 
     def _record(self, partition: int) -> None:
         self.sent[partition] += 1
+        now = self.clock()
+        self._sends.append((now, partition))
+        while self._sends and self._sends[0][0] < now - self.settings.worker_state_stale_s:
+            self._sends.popleft()  # older than any report still trusted
         self._recent.append(partition)
         while len(self._recent) > self.settings.route_share_window:
             self._recent.popleft()

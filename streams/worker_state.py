@@ -3,7 +3,8 @@ the compacted `workers` topic (keyed by worker) every worker_state_interval_s, a
 router reads that topic from the beginning without a group, so it sees every worker.
 
 ServiceClock is the worker's measurement: seconds per item (EWMA of batch time / batch size)
-and the queue wait per ready partition (EWMA of produce-to-batch-start)."""
+and the queue wait per ready partition (EWMA of produce-to-batch-start). Each report also
+carries the worker's backlog: the items it holds, not yet answered."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from mmpipe.schemas.codec import from_json
 from mmpipe.schemas.events import WorkerState
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.kafka import groupless_consumer, make_producer
+from mmpipe.streams.retry import retry_async
 from mmpipe.streams.tasks import cancel_and_wait
 from mmpipe.streams.topics import TopicNames
 
@@ -94,22 +96,31 @@ class WorkerReporter(_Background):
 class WorkerStateFeed(_Background):
     """Follows the `workers` topic and hands every report to `observe` (the router's)."""
 
+    # (first, longest) wait before reconnecting: the router routes on stale state meanwhile,
+    # so it comes back within a second.
+    RECONNECT_BACKOFF_S = (0.25, 1.0)
+
     def __init__(self, settings: Settings, observe: Callable[[WorkerState], None]) -> None:
         self.settings = settings
         self.observe = observe
         self.topic = TopicNames(settings.topic_prefix).workers
 
     async def _run(self) -> None:
-        while True:  # the broker may not be up yet, or may restart: keep following
-            consumer = groupless_consumer(self.settings, self.topic, offset_reset="earliest")
-            try:
-                await consumer.start()
-                await self._follow(consumer)
-            except KafkaError as exc:
-                log.info("worker state feed interrupted: %s; reconnecting", exc)
-                await asyncio.sleep(1.0)
-            finally:
-                await consumer.stop()
+        # The broker may not be up yet, or may restart: keep following, for as long as the stage runs.
+        first, longest = self.RECONNECT_BACKOFF_S
+        await retry_async(self._follow_once, KafkaError, base_s=first, cap_s=longest, on_retry=self._reconnecting)
+
+    async def _follow_once(self) -> None:
+        """One connection to the broker, followed until it fails."""
+        consumer = groupless_consumer(self.settings, self.topic, offset_reset="earliest")
+        try:
+            await consumer.start()
+            await self._follow(consumer)
+        finally:
+            await consumer.stop()
+
+    def _reconnecting(self, exc: BaseException, attempt: int, delay: float) -> None:
+        log.info("worker state feed interrupted: %s; reconnecting in %.2f s", exc, delay)
 
     async def _follow(self, consumer: object) -> None:
         while True:
@@ -127,8 +138,9 @@ class WorkerStateFeed(_Background):
             log.warning("unreadable worker state ignored: %s", exc)
 
 
-def snapshot(worker: str, partitions: set[int], ready: bool, models: list[str], clock: ServiceClock) -> WorkerState:
+def snapshot(worker: str, partitions: set[int], ready: bool, models: list[str], clock: ServiceClock,
+             backlog: int) -> WorkerState:
     return WorkerState(
         worker=worker, partitions=sorted(partitions), ready=ready, models=models, item_s=clock.item_s,
-        waits_s={str(p): round(w, 6) for p, w in clock.waits_s.items()}, at=time.time(),
+        waits_s={str(p): round(w, 6) for p, w in clock.waits_s.items()}, at=time.time(), backlog=backlog,
     )

@@ -27,9 +27,9 @@ class Clock:
 
 
 def state(worker: str, partitions: list[int], item_s: float | None, at: float, ready: bool = True,
-          models: tuple[str, ...] = (MODEL,)) -> WorkerState:
+          models: tuple[str, ...] = (MODEL,), backlog: int | None = None) -> WorkerState:
     return WorkerState(worker=worker, partitions=partitions, ready=ready, models=list(models), item_s=item_s,
-                       waits_s={}, at=at)
+                       waits_s={}, at=at, backlog=backlog)
 
 
 def router(clock: Clock, **overrides: object) -> Router:
@@ -64,6 +64,36 @@ def test_what_it_sent_since_the_read_out_counts_until_the_next_read_out():
     assert owners == {"fast": 5, "slow": 5}  # balanced by its own sends, not by stale lag
     r.observe_lag({0: 0, 1: 0, 2: 0, 3: 0})
     assert sum(r.sent.values()) == 0
+
+
+def test_a_reported_backlog_counts_sends_since_the_report_and_drains_at_the_measured_rate():
+    clock = Clock()
+    r = router(clock, route_sticky_s=0.0, route_hysteresis=0.0, route_min_gain_s=0.0)
+    r.observe_worker(state("w", [0, 1], 0.1, clock.now, backlog=10))
+    r.observe_lag({0: 500, 1: 500})  # committed lag, finished work included: not used
+    assert r.expected_waits(MODEL)[0] == pytest.approx((10 + 1) * 0.1)
+    for _ in range(4):
+        r.choose(MODEL)
+    assert r.expected_waits(MODEL)[0] == pytest.approx((10 + 4 + 1) * 0.1)
+    clock.now += 0.5  # five items' time: drained
+    assert r.expected_waits(MODEL)[1] == pytest.approx((10 + 4 - 5 + 1) * 0.1)
+    clock.now += 60  # long drained, but the report is stale by now ...
+    r.observe_worker(state("w", [0, 1], 0.1, clock.now, backlog=0))  # ... so a fresh one
+    r.choose(MODEL)
+    clock.now += 0.05
+    # Never below what was sent within the last item time: that item cannot have run yet.
+    assert r.expected_waits(MODEL)[0] == pytest.approx((1 + 1) * 0.1)
+
+
+def test_a_fast_worker_whose_lag_still_counts_finished_work_is_preferred_by_its_reported_backlog():
+    """The committed lag of a fast worker counts what it finished since its last commit; its
+    own count says its queue is short, and the router believes the count."""
+    clock = Clock()
+    r = router(clock, route_sticky_s=0.0)
+    r.observe_worker(state("fast", [0, 2], 0.05, clock.now, backlog=1))
+    r.observe_worker(state("slow", [1, 3], 0.2, clock.now, backlog=0))
+    r.observe_lag({0: 6, 2: 5, 1: 0, 3: 0})  # fast committed 0.5 s ago at 20 items/s
+    assert {r.choose(MODEL) for _ in range(2)} <= {0, 2}
 
 
 def test_a_choice_is_sticky_for_its_window_and_then_switches():
