@@ -6,6 +6,7 @@ A message is acked only after every output it caused has been acknowledged by th
 faust commits the highest contiguous acked offset (streams/transport.py): at-least-once with no
 gap. Between take and ack the partition gate counts it in flight (backpressure.py); the
 downstream admission (admission.py) is fed from here with lag read-outs and sent counts.
+MessageDelivery carries one message; StageRuntime wires it to faust.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,57 @@ class Sender:
         return list(await asyncio.gather(*futures))
 
 
+@dataclass
+class MessageDelivery:
+    """One message through the stage: the poison check, the handler under the failure policy,
+    the outputs sent and acknowledged, then the input acked. However that ends, the message
+    leaves the poison guard, its admission reservation and its place in the partition gate.
+    No faust here: StageRuntime hands it each message (tests drive it with fakes)."""
+
+    stage: Stage
+    failures: FailurePolicy
+    sender: Sender
+    poison: PoisonGuard
+    gate: PartitionGate
+    admission: DownstreamAdmission
+    downstream_topic: str | None  # the output topic the next stage's admission counts
+
+    async def process(self, message: Incoming, ack: Callable[[], None], tp: Any) -> None:
+        """Deliver `message`, taken from partition `tp` (the gate already counts it in flight);
+        `ack` acks it once its outputs are acknowledged."""
+        self.stage.metrics.queue_wait.labels(self.stage.name).observe(max(message.received_at - message.timestamp, 0.0))
+        where = (message.topic, message.partition, message.offset)
+        entered = False
+        try:
+            # Poison messages (streams/poison.py): one that kept killing this stage is given up.
+            entered = await self.poison.enter(*where)
+            if entered:
+                outgoing = await self.failures.run(self.stage.handle, message)
+            else:
+                outgoing = [self.failures.dead_letter(message, "crashed_stage", self.poison.detail(*where))]
+            sent = await self.sender.send_all(outgoing, message)
+            self._count_downstream(sent)
+            await self._after_send(outgoing)
+            ack()
+        finally:
+            if entered:
+                await self.poison.leave(*where)
+            self.admission.release(message.partition, message.offset)
+            self.gate.release(tp)
+            self.admission.refresh()
+
+    async def _after_send(self, outgoing: list[Outgoing]) -> None:
+        try:
+            await self.stage.after_send(outgoing)
+        except Exception as exc:  # bookkeeping only: a redelivery would repeat the same output
+            log.warning("stage %s: after-send step failed: %s", self.stage.name, exc)
+
+    def _count_downstream(self, metadata: list[Any]) -> None:
+        if self.downstream_topic is None:
+            return
+        self.admission.count_sent(md.partition for md in metadata if md is not None and md.topic == self.downstream_topic)
+
+
 class StageRuntime:
     """Runs one Stage as a faust worker: one agent over the stage's input topics."""
 
@@ -151,6 +204,10 @@ class StageRuntime:
         stage.admit = self._admit
         self.poison = PoisonGuard(
             self.settings.state_path("poison", f"{group_id(self.settings, stage.name)}.db"), self.settings.poison_max_crashes
+        )
+        self.delivery = MessageDelivery(
+            stage, self.failures, self.sender, self.poison, self.gate, self.admission,
+            self._downstream[0] if self._downstream is not None else None,
         )
         self._lag_reader: LagReader | None = None
         self._lag_schedule = LagReadSchedule(self.settings.lag_idle_interval_s)
@@ -209,36 +266,10 @@ class StageRuntime:
             log.error("stage %s: message task failed", self.stage.name, exc_info=task.exception())
 
     async def _process(self, event: Any, tp: Any) -> None:
-        message = _incoming(event.message)
-        self.metrics.queue_wait.labels(self.stage.name).observe(max(message.received_at - message.timestamp, 0.0))
-        where = (message.topic, message.partition, message.offset)
-        entered = False
-        try:
-            # Poison messages (streams/poison.py): one that kept killing this stage is given up.
-            entered = await self.poison.enter(*where)
-            if entered:
-                outgoing = await self.failures.run(self.stage.handle, message)
-            else:
-                outgoing = [self.failures.dead_letter(message, "crashed_stage", self.poison.detail(*where))]
-            sent = await self.sender.send_all(outgoing, message)
-            self._count_downstream(sent)
-            await self._after_send(outgoing)
-            event.ack()
-        finally:
-            if entered:
-                await self.poison.leave(*where)
-            self.admission.release(message.partition, message.offset)
-            self.gate.release(tp)
-            self.admission.refresh()
+        await self.delivery.process(_incoming(event.message), event.ack, tp)
 
     async def _produce(self, out: Outgoing) -> asyncio.Future[Any]:
         return await self.app.producer.send(out.topic, out.key, out.value, out.partition, None, None)
-
-    async def _after_send(self, outgoing: list[Outgoing]) -> None:
-        try:
-            await self.stage.after_send(outgoing)
-        except Exception as exc:  # bookkeeping only: a redelivery would repeat the same output
-            log.warning("stage %s: after-send step failed: %s", self.stage.name, exc)
 
     # Lag and admission ----------------------------------------------------------------------
     async def _admit(self, message: Incoming, priority: int) -> bool:
@@ -247,12 +278,6 @@ class StageRuntime:
     def _assigned_inputs(self) -> list[Any]:
         input_topic = self.stage.input_topics[0]
         return [tp for tp in self.app.consumer.assignment() if tp.topic == input_topic]
-
-    def _count_downstream(self, metadata: list[Any]) -> None:
-        if self._downstream is None:
-            return
-        topic = self._downstream[0]
-        self.admission.count_sent(md.partition for md in metadata if md is not None and md.topic == topic)
 
     async def _watch_lag(self) -> None:
         """Export this group's lag, feed the stage's backlog estimate, and refresh the next

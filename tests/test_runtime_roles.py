@@ -1,23 +1,28 @@
 """The stage runtime's roles, each against fakes (no broker, no faust): the failure policy,
-delivery's sender, downstream admission, and the shared retry helper."""
+delivery's sender, downstream admission, one message's delivery, and the shared retry helper."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from prometheus_client import CollectorRegistry
 
-from mmpipe.schemas import BadMessage, decode_dead_letter
+from mmpipe.schemas import BadMessage, decode_dead_letter, to_json
+from mmpipe.schemas.events import WorkerState
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.admission import DownstreamAdmission
-from mmpipe.streams.delivery import Sender
+from mmpipe.streams.backpressure import PartitionGate
+from mmpipe.streams.delivery import MessageDelivery, Sender
 from mmpipe.streams.failure import FailurePolicy
 from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.poison import PoisonGuard
 from mmpipe.streams.retry import poll_until, retry_async
-from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, TransientError
+from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage, TransientError
+from mmpipe.streams.worker_state import WorkerStateFeed
 
 DLQ = "mm.dead-letter"
 
@@ -35,6 +40,15 @@ class FakeSleep:
     async def __call__(self, seconds: float) -> None:
         self.waits.append(seconds)
         await asyncio.sleep(0)
+
+
+async def eventually(ready, deadline_s: float = 5.0) -> None:
+    """Yield to the loop until `ready()` holds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not ready():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.001)
 
 
 def policy(max_retries: int = 2) -> tuple[FailurePolicy, StageMetrics, FakeSleep]:
@@ -233,6 +247,125 @@ def test_releasing_twice_or_an_unreserved_message_changes_nothing():
     assert adm.estimate(0) == 0
 
 
+# One message's delivery ---------------------------------------------------------------------------
+DOWNSTREAM = "mm.decoded"
+
+
+class FakeStage(Stage):
+    """Reserves room downstream, as decode does, then answers with what `answer` says."""
+
+    name = "test"
+
+    def __init__(self, answer) -> None:
+        super().__init__(Settings(), StageMetrics("test", CollectorRegistry()))
+        self.answer = answer
+        self.handled = 0
+
+    async def handle(self, message: Incoming) -> list[Outgoing]:
+        self.handled += 1
+        assert await self.wait_for_room(message)
+        return await self.answer(message)
+
+
+class HeldProducer(FakeProducer):
+    """Sends at once, but the broker acknowledges only when the test says so."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        super().__init__(*errors)
+        self.acks = asyncio.Event()
+
+    async def __call__(self, out: Outgoing) -> asyncio.Future:
+        acked = await super().__call__(out)
+        held = asyncio.get_running_loop().create_future()
+
+        async def ack_later() -> None:
+            await self.acks.wait()
+            held.set_result(acked.result())
+
+        asyncio.ensure_future(ack_later())
+        return held
+
+
+def delivery(stage: FakeStage, producer: FakeProducer, poison_db: Path) -> MessageDelivery:
+    fp, _, _ = policy()
+    gate = PartitionGate(high=4, low=1, max_total=8, pause=lambda tps: None, resume=lambda tps: None)
+    adm = DownstreamAdmission(high=4, low=1, aging_s=1.0, gate=gate, assigned=list, shedding=lambda: False)
+    stage.admit = lambda message, priority: adm.wait_for_room(message.partition, message.offset, priority)
+    return MessageDelivery(stage, fp, sender(producer), PoisonGuard(poison_db, max_crashes=1), gate, adm, DOWNSTREAM)
+
+
+async def deliver(run: MessageDelivery, incoming: Incoming, acks: list[int]) -> None:
+    """As the agent does: count the message in flight, then carry it."""
+    tp = (incoming.topic, incoming.partition)
+    await run.gate.acquire(tp)
+    await run.process(incoming, lambda: acks.append(incoming.offset), tp)
+
+
+def all_released(run: MessageDelivery, incoming: Incoming) -> bool:
+    """Nothing of the message is held: no place in the gate, no reservation, no poison mark."""
+    return (run.gate.total == 0 and run.admission.estimate(incoming.partition) == run.admission.lag_at(incoming.partition)
+            and run.poison.crashes(incoming.topic, incoming.partition, incoming.offset) == (0, 0))
+
+
+async def test_an_input_is_acked_only_after_its_outputs_are_acknowledged(tmp_path):
+    async def two_outputs(_: Incoming) -> list[Outgoing]:
+        return [Outgoing(DOWNSTREAM, b"job-1", b"a"), Outgoing("mm.status", b"job-1", b"s")]
+
+    producer, acks = HeldProducer(), []
+    run = delivery(FakeStage(two_outputs), producer, tmp_path / "poison.db")
+    run.admission.update({p: 0 for p in range(4)})
+    carried = asyncio.ensure_future(deliver(run, message(), acks))
+    await eventually(lambda: len(producer.sent) == 2)
+    await asyncio.sleep(0.01)
+    assert acks == [] and run.gate.total == 1, "sent but not acknowledged: the input waits"
+    assert run.admission.estimate(1) == 1, "its room downstream stays reserved meanwhile"
+    producer.acks.set()
+    await carried
+    assert acks == [7] and all_released(run, message())
+    assert run.admission.lag_at(1) == 1, "what went downstream counts toward the next stage's lag"
+
+
+@pytest.mark.parametrize("failure", ["handler cancelled", "producer failed"])
+async def test_a_failure_releases_the_gate_and_the_reservation_and_acks_nothing(tmp_path, failure):
+    async def fail_in_handler(_: Incoming) -> list[Outgoing]:
+        raise asyncio.CancelledError()
+
+    async def one_output(_: Incoming) -> list[Outgoing]:
+        return [Outgoing(DOWNSTREAM, b"job-1", b"a")]
+
+    if failure == "handler cancelled":
+        stage, producer, raised = FakeStage(fail_in_handler), FakeProducer(), asyncio.CancelledError
+    else:  # not a broker error, so not retried: it ends the message's task
+        stage, producer, raised = FakeStage(one_output), FakeProducer(RuntimeError("producer closed")), RuntimeError
+    run, acks = delivery(stage, producer, tmp_path / "poison.db"), []
+    run.admission.update({p: 0 for p in range(4)})
+    with pytest.raises(raised):
+        await deliver(run, message(), acks)
+    assert stage.handled == 1 and acks == []
+    assert all_released(run, message())
+
+
+async def test_a_message_the_poison_guard_refuses_is_dead_lettered_as_crashed_stage(tmp_path):
+    incoming, db = message(), tmp_path / "poison.db"
+    where = (incoming.topic, incoming.partition, incoming.offset)
+    # Two starts that never finished (the process died): the second ran alone (max_crashes=1).
+    for _ in range(2):
+        crashed = PoisonGuard(db, max_crashes=1)
+        assert await crashed.enter(*where)
+        crashed.close()  # no leave(): the process died
+
+    async def never(_: Incoming) -> list[Outgoing]:
+        raise AssertionError("a given-up message is not handled again")
+
+    stage, producer, acks = FakeStage(never), FakeProducer(), []
+    run = delivery(stage, producer, db)
+    await deliver(run, incoming, acks)
+    letter = letter_of(producer.sent)
+    assert letter.reason == "crashed_stage" and "killed the stage 1 times while it ran alone" in letter.detail
+    assert stage.handled == 0 and acks == [7], "given up for good: acked, so it is not redelivered"
+    assert run.gate.total == 0
+
+
 # The retry helper ---------------------------------------------------------------------------------
 async def test_retry_async_gives_up_when_told_and_raises_the_error_itself():
     calls = {"n": 0}
@@ -262,3 +395,48 @@ def test_poll_until_stops_at_the_first_answer_and_lets_other_errors_through():
     with pytest.raises(RuntimeError):
         poll_until(lambda: (_ for _ in ()).throw(RuntimeError("exited")), every_s=0.0, deadline_s=5,
                    retry_if=lambda exc: not isinstance(exc, RuntimeError))
+
+
+# The worker state feed: reconnects on the retry helper ---------------------------------------------
+class FakeWorkersReader:
+    """A reader of the `workers` topic: its start fails, or it delivers one report and then
+    nothing more."""
+
+    def __init__(self, fails: bool, report: bytes) -> None:
+        self.fails = fails
+        self.report = [SimpleNamespace(value=report)]
+        self.stopped = False
+
+    async def start(self) -> None:
+        if self.fails:
+            raise KafkaConnectionError()
+
+    async def getmany(self, timeout_ms: int) -> dict:
+        report, self.report = self.report, []
+        if not report:
+            await asyncio.sleep(timeout_ms / 1000)
+        return {"workers/0": report}
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+async def test_the_worker_state_feed_reconnects_until_the_broker_answers(monkeypatch):
+    state = WorkerState(worker="w-1", partitions=[0], ready=True, models=["m"], item_s=0.1, waits_s={}, at=1.0)
+    readers: list[FakeWorkersReader] = []
+
+    def connect(*args, **kwargs) -> FakeWorkersReader:
+        readers.append(FakeWorkersReader(fails=len(readers) < 3, report=to_json(state)))
+        return readers[-1]
+
+    monkeypatch.setattr("mmpipe.streams.worker_state.groupless_consumer", connect)
+    seen: list[WorkerState] = []
+    feed = WorkerStateFeed(Settings(), seen.append)
+    feed.RECONNECT_BACKOFF_S = (0.001, 0.002)
+    feed.start()
+    try:
+        await eventually(lambda: seen)
+    finally:
+        await feed.stop()
+    assert seen == [state] and len(readers) == 4
+    assert all(reader.stopped for reader in readers), "every connection is closed, failed ones too"
