@@ -101,9 +101,9 @@ class Publisher:
     async def publish(self, event: MediaEvent) -> None:
         await self._producer.send_and_wait(self.topic, encode_event(event), key=event.job_id.encode())
 
-    async def publish_raw(self, key: bytes | None, value: bytes) -> None:
-        """For tests and fault injection: put arbitrary bytes on the events topic."""
-        await self._producer.send_and_wait(self.topic, value, key=key)
+    async def publish_raw(self, key: bytes | None, value: bytes, topic: str | None = None) -> None:
+        """For tests and fault injection: put arbitrary bytes on the events topic (or `topic`)."""
+        await self._producer.send_and_wait(topic or self.topic, value, key=key)
 
     async def publish_many(self, events: Iterable[MediaEvent]) -> int:
         futures = [

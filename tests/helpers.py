@@ -23,11 +23,11 @@ def publish(settings: Settings, events: Iterable[MediaEvent]) -> list[str]:
     return [e.job_id for e in events]
 
 
-def publish_raw(settings: Settings, items: Iterable[tuple[bytes | None, bytes]]) -> None:
+def publish_raw(settings: Settings, items: Iterable[tuple[bytes | None, bytes]], topic: str | None = None) -> None:
     async def go() -> None:
         async with Publisher(settings) as publisher:
             for key, value in items:
-                await publisher.publish_raw(key, value)
+                await publisher.publish_raw(key, value, topic)
 
     asyncio.run(go())
 

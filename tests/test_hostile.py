@@ -146,13 +146,8 @@ def test_special_files_under_the_roots_are_refused_without_blocking(stage, roots
 
 
 def test_a_work_item_with_shape_minus_one_is_refused_before_any_copy():
-    specs = [{"name": f"t{i}", "dtype": "uint8", "shape": [-1]} for i in range(50)]
-    header = orjson.dumps({"job_id": "j", "part": 0, "parts": 1, "kind": "image", "modality": "image",
-                           "model": ["resnet18", "v1"], "created_at": 0.0, "deadline": 0.0, "trace": {},
-                           "meta": {}, "tensors": specs})
-    raw = _HEADER.pack(_MAGIC, len(header)) + header + bytes(100_000)
     with pytest.raises(Refused) as refused:
-        decode_work_item(raw)
+        decode_work_item(hostile.work_item_of_unknown_lengths("j"))
     assert refused.value.reason == "malformed_item" and "[-1]" in refused.value.detail
 
 

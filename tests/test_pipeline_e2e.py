@@ -146,6 +146,25 @@ def test_hostile_media_is_refused_and_the_decode_stage_stays_up_and_small(shared
         assert peak_kib * 1024 < 1024**3, (proc.pid, proc.cmdline()[:3], peak_kib)
 
 
+def test_a_crafted_work_item_on_decoded_is_dead_lettered_and_preprocess_stays_up(shared_pipeline):
+    """Internal topics are not trusted either: a work item whose tensors all claim the shape
+    [-1], written straight onto `decoded`, ends as malformed_item at preprocess, which goes on."""
+    from mmpipe.harness import hostile
+    from mmpipe.streams.topics import TopicNames
+
+    settings = shared_pipeline.settings
+    preprocess = shared_pipeline.process("preprocess")
+    job_id = "crafted-minus-one"
+    publish_raw(settings, [(job_id.encode(), hostile.work_item_of_unknown_lengths(job_id))],
+                topic=TopicNames(settings.topic_prefix).decoded)
+    good = make_event("text", text="after the crafted item")
+    results = wait_for_results(settings, [job_id, *publish(settings, [good])])
+    assert results[job_id].status == "error" and results[job_id].error["code"] == "malformed_item"
+    assert results[good.job_id].status == "ok" and preprocess.alive()
+    letters = open_store(settings.store_url).dead_letters(job_id)
+    assert [(letter["stage"], letter["reason"]) for letter in letters] == [("preprocess", "malformed_item")]
+
+
 def test_redelivered_job_and_duplicate_prediction_make_one_result(shared_pipeline):
     settings = shared_pipeline.settings
     event = make_event("text", text="only once, please")

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
+from mmpipe.schemas.codec import _HEADER, _MAGIC
 from mmpipe.stages.decode import samples
 
 
@@ -81,6 +83,16 @@ def hls_playlist(segment_url: str) -> bytes:
 
 def truncated(data: bytes, keep: float = 0.5) -> bytes:
     return data[: max(16, int(len(data) * keep))]
+
+
+def work_item_of_unknown_lengths(job_id: str, tensors: int = 50, body_bytes: int = 100_000) -> bytes:
+    """A work item (the binary format of `decoded` and `ready`) whose every tensor declares the
+    shape [-1]: read naively, each would copy the rest of the message."""
+    specs = [{"name": f"t{i}", "dtype": "uint8", "shape": [-1]} for i in range(tensors)]
+    header = orjson.dumps({"job_id": job_id, "part": 0, "parts": 1, "kind": "image", "modality": "image",
+                           "model": ["resnet18", "v1"], "created_at": 0.0, "deadline": 0.0, "trace": {},
+                           "meta": {}, "tensors": specs})
+    return _HEADER.pack(_MAGIC, len(header)) + header + bytes(body_bytes)
 
 
 UNDECODABLE = frozenset({"undecodable_media"})
