@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from mmpipe.harness.bench import simulate, traffic
@@ -33,6 +34,26 @@ def test_simulated_batcher_follows_the_policy_rules():
     assert lone.p50_ms == pytest.approx(5 + 12)
     static = simulate.simulate([0.0], simulate.SimPolicy("static", 8, static_timeout_s=0.1), t)
     assert static.p50_ms == pytest.approx(100 + 12)
+
+
+def test_simulated_routing_places_work_by_each_workers_reported_backlog():
+    """The real Router over simulated replicas (no shared CPU): around a replica slowed by
+    t(4) per batch it keeps the batcher's p99 far below hash placement, and the workers' own
+    backlog counts route better than the group's committed lag, which also counts work
+    finished since the last commit (what routing read before)."""
+    from mmpipe.schemas.settings import SchedulingSettings
+
+    t = lambda b: float(np.interp(b, [1, 2, 4, 8, 16], [47.1, 80.6, 152.8, 303.8, 642.5]))  # a recorded t(b), ms
+    policy, slow = simulate.SimPolicy("dynamic", 4, 0.047), (0.0, 152.8)
+    arrivals = [a.offset_s for a in traffic.poisson(11.6, 120, seed=42)]
+    healthy = simulate.simulate(arrivals, policy, t, replicas=2, extra_ms=(0.0, 0.0), seed=1)
+    hashed = simulate.simulate(arrivals, policy, t, replicas=2, extra_ms=slow, seed=1)
+    scheduling = SchedulingSettings(routing=True)
+    routed = simulate.simulate_routed(arrivals, policy, t, scheduling, extra_ms=slow)
+    on_lag = simulate.simulate_routed(arrivals, policy, t, scheduling, extra_ms=slow, committed_lag=True)
+    assert routed.items == len(arrivals) and routed.throughput > 0.95 * 11.6
+    assert routed.p99_ms < 0.7 * hashed.p99_ms and routed.p99_ms < 2.0 * healthy.p99_ms
+    assert routed.p99_ms < 0.8 * on_lag.p99_ms
 
 
 def test_routing_target_compares_the_routed_pair_with_the_healthy_pair_of_the_same_run():
@@ -116,3 +137,109 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
     assert all(t["status"] in ("PASS", "MISS", "N/A") for t in names.values())
     assert names["pipeline / model-alone throughput"]["measured"] > 0
     assert result["meta"]["packages"]["torch"] and result["meta"]["cpu_count"]
+
+
+@pytest.mark.timeout(240)
+def test_tiny_speech_scenario_is_consistent(tmp_path):
+    """`mmpipe bench --scenario speech` on two short clips: no pipeline, the three policies on
+    the same arrivals generate the same tokens, the KV reservation stays within its budget, the
+    word error rate is computed, and the targets and bench.json come out."""
+    cfg = BenchConfig.quick_preset(
+        out_dir=tmp_path / "bench", device="cpu", torch_threads=2, scenarios=("speech",),
+        speech_clips=2, speech_rate=4.0, speech_rows=2, speech_max_clip_s=5.0,
+    )
+    result = run_bench(cfg)
+
+    written = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert "model_alone" not in written and not (tmp_path / "bench" / "bench.png").exists()  # no pipeline ran
+    speech = written["speech"]
+    assert speech == json.loads(json.dumps(result["speech"]))
+    assert speech["clips"] == len(speech["clip_s"]) == 2 and all(0 < s <= 5.0 for s in speech["clip_s"])
+    runs = {r["policy"]: r for r in speech["runs"]}
+    assert list(runs) == ["off", "request", "continuous"]
+    assert speech["clips_where_policies_agree"] == 2
+    assert len({r["tokens"] for r in runs.values()}) == 1 and runs["off"]["tokens"] > 0
+    for r in runs.values():
+        assert 0 < r["kv_peak_bytes"] <= r["kv_budget_bytes"]
+        assert 0.0 <= r["wer"] <= 1.0
+        assert r["decoder_tokens_per_s"] > 0 and r["audio_s_per_s"] > 0
+        assert r["resources"]["cpu_cores"]["bench"] > 0 and r["resources"]["other_busy_cores"] >= 0
+        assert 0 < r["ttft_p50_s"] <= r["latency_p50_s"] and r["latency_p50_s"] <= r["latency_p99_s"]
+    assert runs["off"]["mean_step_rows"] == 1.0 and runs["off"]["kv_peak_bytes"] * 2 == runs["off"]["kv_budget_bytes"]
+    assert speech["continuous_vs_request_decoder_tokens_per_s"] == pytest.approx(
+        runs["continuous"]["decoder_tokens_per_s"] / runs["request"]["decoder_tokens_per_s"], abs=0.01)
+    assert "error" not in speech["peer"] and speech["peer"]["audio_s_per_s"] > 0
+    names = {t["name"]: t for t in result["targets"]}
+    assert {n for n in names if n.startswith("speech:")} == set(names)  # only the speech targets
+    assert names["speech: KV reservation / budget (peak)"]["status"] == "PASS"
+    assert names["speech: word error rate (worst policy)"]["measured"] == max(r["wer"] for r in runs.values())
+    assert all(t["status"] in ("PASS", "MISS") for t in names.values())
+
+
+def _job(job_id, priority, arrived, started, execute_ms=40.0):
+    """A stored result whose trace puts it in the batcher from `arrived` to `started` (seconds)."""
+    from mmpipe.schemas import JobResult, Timings
+
+    before = dict(queue_decode_ms=10.0, decode_ms=5.0, queue_preprocess_ms=4.0, preprocess_ms=3.0, queue_inference_ms=3.0)
+    wait = (started - arrived) * 1000
+    timings = Timings(**before, batch_wait_ms=wait, execute_ms=execute_ms, sink_ms=2.0, batch_size=2,
+                      end_to_end_ms=sum(before.values()) + wait + execute_ms + 2.0)
+    created = 1000.0 + arrived - sum(before.values()) / 1000
+    return JobResult(job_id=job_id, status="ok", modality="image", model=None, prediction=None, timings=timings,
+                     created_at=created, completed_at=created + timings.end_to_end_ms / 1000, priority=priority)
+
+
+def test_priority_schedule_marks_a_seeded_share_high_and_keeps_the_arrivals():
+    arrivals = traffic.poisson(20, 10, seed=5)
+    marked = traffic.with_priorities(arrivals, 0.1, seed=5)
+    assert marked == traffic.with_priorities(arrivals, 0.1, seed=5)
+    assert [a.offset_s for a in marked] == [a.offset_s for a in arrivals]
+    assert sum(a.priority == 0 for a in marked) == round(0.1 * len(arrivals))
+    assert {a.priority for a in marked} == {0, 2}
+    assert {a.priority for a in traffic.with_priorities(arrivals, 0.1, seed=5, rest=1)} == {0, 1}
+    assert {a.priority for a in arrivals} == {1}  # other scenarios keep the events' default
+
+
+def test_priority_figures_and_starvation_check_from_the_traces():
+    import io
+
+    import msgspec
+    from rich.console import Console
+
+    from mmpipe.harness.bench import report, stats, targets
+
+    jobs = [
+        _job("L1", 2, 0.0, 1.5), _job("L2", 2, 0.1, 1.5),  # one batch at 1.5 ...
+        _job("H1", 0, 0.5, 1.0),  # ... overtaken by H1 (0.5 s after L1: inside the 2 s window)
+        _job("H2", 0, 1.2, 1.5),  # same batch as L1 and L2: not an overtake
+    ]
+    fig = stats.priority_stats(jobs, aging_s=1.0)
+    starve = fig["starvation"]
+    assert (fig["high"], fig["low"]) == (0, 2) and fig["levels"]["0"]["ok"] == fig["levels"]["2"]["ok"] == 2
+    assert fig["high_over_low_p99"] == pytest.approx(fig["levels"]["0"]["e2e_ms"]["p99"] / fig["levels"]["2"]["e2e_ms"]["p99"], abs=1e-4)
+    assert starve["jobs"] == 4 and starve["beyond_bound"] == 0
+    assert starve["pairs"] == {"2<-0": {"window_s": 2.0, "max_lead_s": 0.5, "jobs_overtaken": 2}}
+    assert starve["low"]["longest_wait"] == {"job_id": "L1", "overtaken_by": 1, "max_lead_s": 0.5}
+    assert starve["low"]["max_batch_wait_ms"] == pytest.approx(1500)
+
+    # L4 waits until 3.0 s: H3 arrived 2.4 s after it (beyond 2 x aging_s) and L1, L2 (its own
+    # level, after it) ran first: overtaken beyond the bound.
+    jobs += [_job("H3", 0, 2.3, 2.4), _job("L4", 2, -0.1, 3.0)]
+    expired = msgspec.structs.replace(jobs[0], job_id="E1", status="expired", priority=1)
+    fig = stats.priority_stats(jobs + [expired], aging_s=1.0)
+    starve = fig["starvation"]
+    assert starve["beyond_bound"] == 1 and starve["beyond_jobs"] == ["L4"]
+    assert starve["pairs"]["2<-0"]["max_lead_s"] == pytest.approx(2.4) and starve["pairs"]["2<-2"]["window_s"] == 0
+    assert fig["levels"]["1"] == {**fig["levels"]["1"], "jobs": 1, "ok": 0}  # an expired job counts, is not timed
+    assert (fig["high"], fig["low"]) == (0, 2)
+
+    run = {"scenario": "priority", "label": "dyn", "load": 0.9, "offered_rate": 8.5, "priority": fig}
+    ratio, starvation = targets._priorities({"runs": [run]})
+    assert ratio["measured"] == pytest.approx(fig["high_over_low_p99"], abs=1e-3)
+    assert ratio["status"] == ("PASS" if fig["high_over_low_p99"] <= 1 / 3 else "MISS")
+    assert starvation["measured"] == 1 and starvation["status"] == "MISS" and "L4" in starvation["detail"]
+    assert "Not checked" in starvation["detail"]
+    assert targets._priorities({"runs": []}) == []
+    out = io.StringIO()
+    Console(file=out, width=200).print(report.priority_table(run))
+    assert "p0: 3, 2.40/2 s p2: 1, 0.20/0 s" in out.getvalue()

@@ -17,15 +17,25 @@ def bench(
     seed: int = typer.Option(42, help="seed of every arrival schedule and of the simulation"),
     rate: Optional[float] = typer.Option(None, help="jobs/s of the 70%-load runs (default: 0.7 x measured saturation)"),
     out: Path = typer.Option(Path("bench-out"), "--out", help="directory for bench.json, bench.png and the run's logs"),
-    scenario: str = typer.Option("all", help="poisson | bursty | degraded | mixed | all (comma-separated list allowed)"),
-    modality: str = typer.Option("image", help="traffic of poisson/bursty/degraded: image | audio | text"),
-    torch_threads: int = typer.Option(0, help="torch threads per stage process and for the model alone (0: half the cores)"),
+    scenario: str = typer.Option(
+        "all", help="poisson | bursty | degraded | mixed | priority | efficiency | speech | all (comma-separated list allowed). "
+                    "all includes speech (Whisper decoder policies in the bench process, no pipeline; about 2 min on "
+                    "2 cores, 16 clips); --quick runs poisson,efficiency unless scenarios are named"),
+    modality: str = typer.Option("image", help="traffic of poisson/bursty/degraded/priority: image | audio | text"),
+    torch_threads: int = typer.Option(0, help="torch threads per stage process and for the model alone (0: half the cores); "
+                                                 "speech: 0 = every core up to 8"),
     decode_replicas: int = typer.Option(0, help="decode stage processes (0: auto, 1 on small machines)"),
     preprocess_replicas: int = typer.Option(0, help="preprocess stage processes (0: auto)"),
     model_cpus: str = typer.Option("auto", help="cores for the inference model thread alone, the rest for everything else: "
                                                 "auto (CPU device: the last torch-threads cores) | none | e.g. 1 or 2,3"),
+    speech_clips: Optional[int] = typer.Option(None, help="speech: espeak-ng clips of 1-25 s (default 16; --quick 6)"),
+    speech_rate: Optional[float] = typer.Option(None, help="speech: Poisson arrivals per second (default 2)"),
+    speech_seed: Optional[int] = typer.Option(None, help="speech: seed of the clips and their arrivals (default 7)"),
+    speech_rows: Optional[int] = typer.Option(None, help="speech: KV-cache slots; the budget is rows x one sequence's "
+                                                         "reservation (default 8)"),
 ) -> None:
-    """Benchmark batching policies on the real pipeline (embedded broker, one process per stage)."""
+    """Benchmark batching policies on the real pipeline (embedded broker, one process per stage), and the
+    speech-to-text decoder scheduling policies (off / request-level / continuous) on the same arrivals."""
     from mmpipe.harness.bench.config import MODALITIES, SCENARIOS, BenchConfig
     from mmpipe.harness.bench.runner import run_bench
 
@@ -39,6 +49,8 @@ def bench(
         out_dir=out, device=device, seed=seed, rate=rate, modality=modality, torch_threads=torch_threads,
         decode_replicas=decode_replicas, preprocess_replicas=preprocess_replicas, model_cpus=model_cpus,
     )
+    speech = dict(speech_clips=speech_clips, speech_rate=speech_rate, speech_seed=speech_seed, speech_rows=speech_rows)
+    options.update({k: v for k, v in speech.items() if v is not None})  # else the preset's
     if quick:
         # --quick runs the poisson scenario unless scenarios were named explicitly.
         config = BenchConfig.quick_preset(**options, **({} if scenario == "all" else {"scenarios": scenarios}))

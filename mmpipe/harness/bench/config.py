@@ -1,5 +1,6 @@
 """What a benchmark run does: scenarios, sizes of each phase, the policy sweep. Two presets
-(full, quick); tests shrink the quick one further."""
+(full, quick); tests shrink the quick one further. Every scenario but `speech` runs on the
+pipeline; `speech` runs the Whisper decoder policies in the bench process (speech.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-SCENARIOS = ("poisson", "bursty", "degraded", "mixed", "efficiency")
+from mmpipe.schemas.events import LOW_PRIORITY
+
+SCENARIOS = ("poisson", "bursty", "degraded", "mixed", "priority", "efficiency", "speech")
 MODALITIES = ("image", "audio", "text")
 # The load for the latency check: a share of the pipeline's own saturation throughput.
 TARGET_LOAD = 0.7
@@ -19,7 +22,7 @@ class BenchConfig:
     device: str = "cpu"
     seed: int = 42
     scenarios: tuple[str, ...] = SCENARIOS
-    modality: str = "image"  # traffic of the poisson/bursty/degraded scenarios
+    modality: str = "image"  # traffic of the poisson/bursty/degraded/priority scenarios
     rate: float | None = None  # jobs/s of the latency runs; None: TARGET_LOAD x saturation
     torch_threads: int = 0  # 0: auto (half the cores, 1 on a 2-core machine)
     decode_replicas: int = 0  # 0: auto
@@ -58,10 +61,22 @@ class BenchConfig:
     mixed_load: float = 0.5  # mixed jobs carry more work (video frames + audio) than one image
     degrade_factor: float = 1.0  # extra delay per batch on the slowed replica, in t(best batch)
     degraded_s: float = 25.0
+    # Priority levels: Poisson at this share of saturation, a seeded pick of priority_high_share of
+    # the jobs at priority 0 (high), the others at priority_rest (low: the issue's low-priority jobs).
+    priority_load: float = 0.9
+    priority_high_share: float = 0.1
+    priority_rest: int = LOW_PRIORITY
+    priority_s: float = 30.0
     idle_s: float = 30.0  # efficiency: the idle window, after idle_settle_s without jobs
     idle_settle_s: float = 5.0
     policies: tuple[str, ...] = ("dynamic", "off", "static")  # which of the main three run
     result_timeout_s: float = 600.0
+    # Speech scenario (speech.py); the defaults are the recorded run's.
+    speech_clips: int = 16
+    speech_rate: float = 2.0  # Poisson arrivals per second
+    speech_seed: int = 7
+    speech_rows: int = 8  # KV-cache slots: the budget is rows x one sequence's reservation
+    speech_max_clip_s: float = 25.0
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> BenchConfig:
@@ -84,7 +99,9 @@ class BenchConfig:
             bursty_off_s=3.0,
             mixed_s=10.0,
             degraded_s=10.0,
+            priority_s=15.0,
             result_timeout_s=180.0,
+            speech_clips=6,
         )
         return replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -103,6 +120,10 @@ class BenchConfig:
             "inference": 1,
             "sink": 1,
         }
+
+    def runs_pipeline(self) -> bool:
+        """Every scenario but speech needs the pipeline (and the decode and model-alone phases)."""
+        return not self.scenarios or any(s != "speech" for s in self.scenarios)
 
     def modalities_needed(self) -> set[str]:
         needed = {self.modality}

@@ -27,6 +27,7 @@ from mmpipe.harness.bench.workload import Workload
 from mmpipe.client import Publisher
 from mmpipe.schemas.settings import BatchingSettings, Settings
 from mmpipe.stages.sink.store.base import load_result
+from mmpipe.stages.sink.store.sqlite import sqlite_path
 from mmpipe.report import scrape
 from mmpipe.streams import affinity
 from mmpipe.streams.topology import metrics_port
@@ -115,7 +116,7 @@ class BenchPipeline:
 
     @property
     def db_path(self) -> str:
-        return self.settings.store_url[len("sqlite:///"):]
+        return sqlite_path(self.settings.store_url)
 
     def start(self, policy: Policy, timeout_s: float = 300.0) -> None:
         """Start every stage, the inference stage already with `policy` (saves a restart)."""
@@ -223,7 +224,7 @@ class BenchPipeline:
                         await asyncio.sleep(delay)
                     late.append(max(loop.time() - start - arrival.offset_s, 0.0) * 1000.0)
                 sent_at.append(loop.time() - start)
-                sends.append(asyncio.ensure_future(publisher.publish(workload.event(arrival.modality, tag))))
+                sends.append(asyncio.ensure_future(publisher.publish(workload.event(arrival.modality, tag, arrival.priority))))
             await asyncio.gather(*sends)
             # Lag keeps being sampled while the pipeline drains what was just published.
             await self._drain(tag, len(sends), lag, max(deadline - time.monotonic(), 0.0))
@@ -293,7 +294,19 @@ class BenchPipeline:
         }
 
     def _inference_url(self, index: int) -> str:
-        return f"http://127.0.0.1:{metrics_port(self.metrics_base_port, 'inference', index)}/metrics"
+        return self._metrics_url("inference", index)
+
+    def _metrics_url(self, stage: str, index: int) -> str:
+        return f"http://127.0.0.1:{metrics_port(self.metrics_base_port, stage, index)}/metrics"
+
+    def routing_counts(self) -> RoutingCounts:
+        """The routers' decisions per ready partition and preferred-partition flips so far,
+        summed over the preprocess replicas."""
+        counts = RoutingCounts()
+        for p in self.pipeline.processes:
+            if p.stage == "preprocess" and self.metrics_base_port:
+                counts.add(scrape(self._metrics_url("preprocess", p.index), SCRAPE_TIMEOUT_S) or "")
+        return counts
 
     def _flushes(self) -> dict[str, dict[str, float]]:
         return {name: page.flushes for name, page in self._scrape_inference().items()}
@@ -328,6 +341,28 @@ class InferencePage:
                 elif sample.name == "mm_batch_flushes_total" and sample.labels.get("model") == model:
                     page.flushes[sample.labels["trigger"]] = sample.value
         return page
+
+
+@dataclass
+class RoutingCounts:
+    """mm_route_decisions_total{partition} and mm_route_flips_total, as read from /metrics."""
+
+    decisions: dict[str, float] = field(default_factory=dict)
+    flips: float = 0.0
+
+    def add(self, text: str) -> None:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "mm_route_decisions_total":
+                    partition = sample.labels["partition"]
+                    self.decisions[partition] = self.decisions.get(partition, 0.0) + sample.value
+                elif sample.name == "mm_route_flips_total":
+                    self.flips += sample.value
+
+    def since(self, before: RoutingCounts) -> dict[str, Any]:
+        """What happened between two read-outs: decisions per partition, flips."""
+        decisions = {p: int(n - before.decisions.get(p, 0.0)) for p, n in sorted(self.decisions.items())}
+        return {"decisions": {p: n for p, n in decisions.items() if n}, "flips": int(self.flips - before.flips)}
 
 
 def _ids_of(tag: str) -> tuple[str, str]:

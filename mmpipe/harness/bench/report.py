@@ -17,42 +17,56 @@ MAIN_COLOURS = {"off": "tab:red", "static": "tab:orange", "dynamic": "tab:blue"}
 
 
 def write_all(result: dict[str, Any], out_dir: Path, console: Console) -> dict[str, Path]:
+    """bench.json always; bench.png when the pipeline ran (the speech scenario alone has no plot)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "bench.json", "png": out_dir / "bench.png"}
+    paths = {"json": out_dir / "bench.json"}
     paths["json"].write_text(json.dumps(result, indent=2, default=str))
-    plot(result, paths["png"])
+    if "model_alone" in result:
+        paths["png"] = out_dir / "bench.png"
+        plot(result, paths["png"])
     print_report(result, console)
-    console.print(f"wrote {paths['json']} and {paths['png']}")
+    console.print("wrote " + " and ".join(str(p) for p in paths.values()))
     return paths
 
 
 # Terminal ------------------------------------------------------------------------------------------
 def print_report(result: dict[str, Any], console: Console) -> None:
     console.print(header(result))
-    console.print(model_table(result))
-    console.print(runs_table(result))
-    lost = sum(run["stats"]["missing"] for run in result["runs"])
-    if lost:
-        console.print(f"[red]{lost} published job(s) never got a result[/] although every stage had committed past "
-                      "them: lost on the way; the runs' ok/pub columns say where")
-    console.print(breakdown_table(result))
-    if result.get("efficiency"):
-        console.print(efficiency_table(result["efficiency"]))
+    if "model_alone" in result:
+        console.print(model_table(result))
+        console.print(runs_table(result))
+        lost = sum(run["stats"]["missing"] for run in result["runs"])
+        if lost:
+            console.print(f"[red]{lost} published job(s) never got a result[/] although every stage had committed past "
+                          "them: lost on the way; the runs' ok/pub columns say where")
+        console.print(breakdown_table(result))
+        for run in (r for r in result["runs"] if "priority" in r):
+            console.print(priority_table(run))
+        if result.get("efficiency"):
+            console.print(efficiency_table(result["efficiency"]))
+    if result.get("speech"):
+        console.print(speech_table(result["speech"]))
     console.print(targets_table(result))
 
 
 def header(result: dict[str, Any]) -> str:
-    m, alone = result["meta"], result["model_alone"]
+    m = result["meta"]
     pk = m["packages"]
     gpu = f", GPU {m['gpu']} (CUDA {m.get('cuda')})" if m.get("gpu") else ""
-    contention = _contention(result)
-    return (
+    per_stage = f" ({m['torch_threads']} threads/stage)" if "model_alone" in result else ""
+    text = (
         f"[bold]mmpipe bench[/] {m['git_commit']}  {m['cpu']} x{m['cpu_count']}{gpu}, {m['memory_gib']} GiB; "
-        f"device {m['device']}, torch {pk['torch']} ({m['torch_threads']} threads/stage), torchvision {pk['torchvision']}, "
+        f"device {m['device']}, torch {pk['torch']}{per_stage}, torchvision {pk['torchvision']}, "
         f"av {pk['av']} (libavcodec {m['ffmpeg'].get('libavcodec')}), faust {pk['faust-streaming']}\n"
-        f"model {alone['model']}:{alone['version']} weights={alone['weights']} on {alone['device']}; replicas {m['replicas']}; "
-        f"load from other processes up to {contention:.2f} cores during runs; took {m['duration_s']:.0f}s"
     )
+    if "model_alone" in result:
+        alone = result["model_alone"]
+        text += (f"model {alone['model']}:{alone['version']} weights={alone['weights']} on {alone['device']}; replicas {m['replicas']}; "
+                 f"load from other processes up to {_contention(result):.2f} cores during runs; ")
+    if result.get("speech"):
+        sp = result["speech"]
+        text += f"speech {sp['model']} weights={sp['weights']}, {sp['threads']} torch threads; "
+    return text + f"took {m['duration_s']:.0f}s"
 
 
 def _contention(result: dict[str, Any]) -> float:
@@ -118,6 +132,27 @@ def breakdown_table(result: dict[str, Any]) -> Table:
     return table
 
 
+def priority_table(run: dict[str, Any]) -> Table:
+    """The priority scenario per level: latency percentiles, the batcher wait, and the
+    starvation check at the batcher (overtakes against the window (p - q) x aging_s)."""
+    fig = run["priority"]
+    starve = fig["starvation"]
+    ratio = fig["high_over_low_p99"]
+    table = Table(title=f"priority levels ({run['label']}, {_pct(run['load'])} load, {_num(run['offered_rate'], 2)} jobs/s, "
+                        f"aging_s {fig['aging_s']:g}; ms): high p99 / low p99 = {_num(ratio, 3)}; at the batcher "
+                        f"{starve['beyond_bound']} job(s) overtaken beyond the starvation bound")
+    cols = ("priority", "ok/jobs", "p50", "p95", "p99", "max", "batch wait p99", "batch wait max", "overtaken by (jobs, largest lead / window)")
+    for col in cols:
+        table.add_column(col, justify="left" if col.startswith("overtaken") else "right", overflow="fold")
+    for level, v in fig["levels"].items():
+        e2e, wait = v["e2e_ms"], v["batch_wait_ms"]
+        over = " ".join(f"p{pair.split('<-')[1]}: {o['jobs_overtaken']}, {o['max_lead_s']:.2f}/{o['window_s']:g} s"
+                        for pair, o in starve["pairs"].items() if pair.split("<-")[0] == level)
+        table.add_row(level, f"{v['ok']}/{v['jobs']}", f"{e2e['p50']:.0f}", f"{e2e['p95']:.0f}", f"{e2e['p99']:.0f}",
+                      f"{e2e['max']:.0f}", f"{wait['p99']:.0f}", f"{wait['max']:.0f}", over or "-")
+    return table
+
+
 def efficiency_table(eff: dict[str, Any]) -> Table:
     """Every efficiency figure per settings variant, and the ratio of the first to the others."""
     names = list(eff)
@@ -167,6 +202,30 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
     rows += [row(f"bytes/job {t}", lambda v, t=t: v["bytes_per_job"][t]["bytes"]) for t in topics]
     rows += [row(f"records/job {t}", lambda v, t=t: v["bytes_per_job"][t]["records"]) for t in topics]
     return rows
+
+
+def speech_table(speech: dict[str, Any]) -> Table:
+    """One row per decoder scheduling policy, same clips and arrivals, and the peer's row."""
+    table = Table(title=f"speech to text, decoder scheduling policies: {speech['clips']} espeak-ng clips "
+                        f"({speech['audio_s']} s of audio), Poisson {speech['rate_per_s']:g}/s, seed {speech['seed']}, "
+                        f"{speech['runs'][0]['rows']} KV slots, on {speech['device']} (latency and TTFT from each clip's arrival)")
+    cols = ("policy", "decoder tok/s", "rows/step", "encoder s", "audio s/s", "latency p50/p99 s", "TTFT p50/p99 s",
+            "KV peak/budget MB", "WER", "truncated", "cpu own/other")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in speech["runs"]:
+        table.add_row(r["policy"], f"{r['decoder_tokens_per_s']:.1f}", f"{r['mean_step_rows']:.1f}", f"{r['encoder_s']:.1f}",
+                      f"{r['audio_s_per_s']:.1f}", f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f}",
+                      f"{r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f}",
+                      f"{r['kv_peak_bytes'] / 1e6:.0f} / {r['kv_budget_bytes'] / 1e6:.0f}", f"{r['wer']:.3f}", str(r["truncated"]),
+                      f"{r['resources']['cpu_cores']['bench']:.2f}/{r['resources']['other_busy_cores']:.2f}")
+    peer = speech["peer"]
+    if "audio_s_per_s" in peer:
+        same = f"same tokens {speech['clips_where_peer_tokens_equal_continuous']}/{speech['clips']}"
+        table.add_row(f"peer: {peer['peer']}", "", "", "", f"{peer['audio_s_per_s']:.1f}", "", "", "", same, "", "")
+    else:
+        table.add_row(f"peer: {peer['peer']} not run: {peer.get('error')}", *[""] * (len(cols) - 1))
+    return table
 
 
 def _ratio(a: float | None, b: float | None) -> str:

@@ -5,10 +5,14 @@
 3. the real pipeline, started once. Per policy (inference restarted with it, then warmed up):
    a flood (saturation: closed loop, a fixed number of jobs outstanding) and Poisson runs at
    shares of the headline policy's saturation (the latency/throughput curve; 70% is the
-   latency check), bursty on/off traffic, mixed modalities, and two inference replicas with
-   one slowed down;
+   latency check), bursty on/off traffic, mixed modalities, priority levels at 90% load, and
+   two inference replicas with one slowed down;
 4. the queueing simulation of every run, with the measured t(b) and the same arrivals;
 5. targets as measured ratios, and the report (terminal table, JSON, PNG).
+
+The speech scenario (speech.py) runs after the pipeline has stopped, in this process: the
+Whisper decoder under three scheduling policies on the same seeded arrivals. Run alone
+(`--scenario speech`) it skips phases 1-4.
 """
 
 from __future__ import annotations
@@ -78,6 +82,21 @@ class Runner:
         meta = environment(self.device)
         meta["torch_threads"] = cfg.threads()
         meta["replicas"] = cfg.replicas()
+        phases = self.pipeline_phases(meta) if cfg.runs_pipeline() else {}
+        if "speech" in cfg.scenarios:
+            phases["speech"] = self.speech_phase()
+        result = {
+            "meta": {**meta, "started_at": started, "duration_s": round(time.time() - started, 1)},
+            "config": _jsonable(asdict(cfg)),
+            **phases,
+        }
+        result["targets"] = targets.evaluate(result, self.settings_budget())
+        report.write_all(result, cfg.out_dir, self.console)
+        return result
+
+    def pipeline_phases(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Phases 1-4: decode, model alone, the pipeline's scenarios, the simulation."""
+        cfg = self.cfg
         self.say(f"device {self.device}, torch threads {cfg.threads()} per stage process, replicas {cfg.replicas()}")
         with self.console.status("preparing media (PyAV, espeak-ng)..."):
             self.work = Workload.prepare(self.cache_dir / "media", cfg.modalities_needed())
@@ -94,9 +113,7 @@ class Runner:
                 with self.console.status("stopping the pipeline..."):
                     self.bench.stop()
             self.sampler.stop()
-        result = {
-            "meta": {**meta, "started_at": started, "duration_s": round(time.time() - started, 1)},
-            "config": _jsonable(asdict(cfg)),
+        return {
             "decode": {**asdict(decode), "ratio": round(decode.ratio, 3)},
             "model_alone": self.curve.to_dict(),
             "policies": {
@@ -108,9 +125,6 @@ class Runner:
             "simulation_curves": self.simulation_curves(),
             "efficiency": self.efficiency_result,
         }
-        result["targets"] = targets.evaluate(result, self.settings_budget())
-        report.write_all(result, cfg.out_dir, self.console)
-        return result
 
     def say(self, text: str) -> None:
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {text}")
@@ -162,12 +176,23 @@ class Runner:
                 self.bursty(policy)
             if "mixed" in scen and name == "dynamic":
                 self.mixed(policy)
+            if "priority" in scen and name == "dynamic":
+                self.priority(policy)
         if "poisson" in scen and cfg.sweep:
             self.sweep()
         if "degraded" in scen:
             self.degraded()
         if "efficiency" in scen:
             self.efficiency()  # last: it leaves the stages on the "polling" settings
+
+    def speech_phase(self) -> dict[str, Any]:
+        """Whisper tiny.en under off / request-level / continuous decoder scheduling (speech.py);
+        imported here so that other scenarios never load the model."""
+        from mmpipe.harness.bench import speech
+
+        cfg = self.cfg
+        with self.console.status(f"speech: {cfg.speech_clips} espeak-ng clips, Whisper tiny.en, three decoder policies..."):
+            return speech.run(cfg, self.device, self.say)
 
     def start_pipeline(self) -> None:
         cfg = self.cfg
@@ -254,6 +279,22 @@ class Runner:
         schedule = traffic.poisson(rate, self.cfg.mixed_s, self.cfg.seed, "mixed")
         self.execute(schedule, "mixed", policy, load=self.cfg.mixed_load, rate=rate, simulate_it=False)
 
+    def priority(self, policy: Policy) -> None:
+        """Poisson at priority_load with a seeded share of the jobs at high priority and the rest
+        at priority_rest; per level the latency percentiles, and the starvation check at the
+        batcher from the jobs' traces (stats.priority_stats)."""
+        assert self.bench is not None
+        cfg = self.cfg
+        rate = self.rate_at(cfg.priority_load)
+        schedule = traffic.with_priorities(traffic.poisson(rate, cfg.priority_s, cfg.seed, cfg.modality),
+                                           cfg.priority_high_share, cfg.seed, cfg.priority_rest)
+        run = self.execute(schedule, "priority", policy, load=cfg.priority_load, rate=rate)
+        aging_s = self.bench.settings.scheduling.aging_s
+        run["priority"] = figures = stats.priority_stats(self.bench.fetch(run["tag"]), aging_s)
+        levels = figures["levels"]
+        self.say("priority levels: " + "; ".join(f"{p}: {v['ok']} ok, p99 {v['e2e_ms']['p99']:.0f} ms" for p, v in levels.items())
+                 + f"; overtaken beyond the starvation bound at the batcher: {figures['starvation']['beyond_bound']}")
+
     def sweep(self) -> None:
         flooded = {self.policies["headline"].max_batch}
         for policy in self.policies["sweep"]:
@@ -339,6 +380,7 @@ class Runner:
         self._tags += 1
         tag = f"r{self._tags}"
         what = f"{kind} {policy.label}" + (f" load {load:.0%}" if load is not None else "") + f": {len(schedule)} jobs"
+        routing_before = self.bench.routing_counts() if topology.routing else None
         with self.console.status(f"{what}..."):
             data = self.bench.run(schedule, self.work, tag, self.cfg.result_timeout_s, outstanding)
         figures = stats.run_stats(data.results, data.published, flood)
@@ -351,6 +393,8 @@ class Runner:
             "stats": figures, "lag_peak": data.lag_peak, "send_lag_ms": data.send_lag_ms,
             "resources": data.resources, "inference_metrics": data.inference_metrics,
         }
+        if routing_before is not None:
+            run["routing"] = self.bench.routing_counts().since(routing_before)
         if simulate_it:
             run["sim"] = self.simulate(data, figures, policy, topology)
         e2e = figures["e2e_ms"]
@@ -370,6 +414,12 @@ class Runner:
         inflation = execute_inflation(figures, curve)
 
         def run(service: Any) -> dict[str, Any]:
+            if topology.routing:  # the real Router, fed the simulated workers' reports
+                assert self.bench is not None
+                return simulate.simulate_routed(
+                    data.offsets_s, policy.sim(), service, self.bench.settings.scheduling.model_copy(update={"routing": True}),
+                    extra_ms=topology.inference_delays_ms,
+                ).to_dict()
             return simulate.simulate(
                 data.offsets_s, policy.sim(), service, replicas=topology.replicas,
                 extra_ms=topology.inference_delays_ms, seed=self.cfg.seed,

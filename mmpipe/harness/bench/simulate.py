@@ -16,7 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import msgspec
 import numpy as np
+
+from mmpipe.schemas.events import WorkerState
+from mmpipe.schemas.settings import SchedulingSettings
+from mmpipe.streams.routing import Router
 
 
 @dataclass(frozen=True)
@@ -64,16 +69,20 @@ def simulate(
         sojourns.append(times)
         batches += count
         last_finish = max(last_finish, finish)
-    waits = np.concatenate(sojourns) * 1000.0
-    span = last_finish - arrivals[0]
+    return _result(np.concatenate(sojourns) * 1000.0, last_finish - arrivals[0], batches)
+
+
+def _result(waits_ms: np.ndarray, span_s: float, batches: int) -> SimResult:
+    """Sojourn percentiles, throughput from the first arrival to the last completion, mean batch."""
+    items = waits_ms.size
     return SimResult(
-        items=int(arrivals.size),
-        p50_ms=round(float(np.percentile(waits, 50)), 2),
-        p95_ms=round(float(np.percentile(waits, 95)), 2),
-        p99_ms=round(float(np.percentile(waits, 99)), 2),
-        mean_ms=round(float(waits.mean()), 2),
-        throughput=round(arrivals.size / span, 3) if span > 0 else 0.0,
-        mean_batch=round(arrivals.size / batches, 2) if batches else 0.0,
+        items=int(items),
+        p50_ms=round(float(np.percentile(waits_ms, 50)), 2),
+        p95_ms=round(float(np.percentile(waits_ms, 95)), 2),
+        p99_ms=round(float(np.percentile(waits_ms, 99)), 2),
+        mean_ms=round(float(waits_ms.mean()), 2),
+        throughput=round(items / span_s, 3) if span_s > 0 else 0.0,
+        mean_batch=round(items / batches, 2) if batches else 0.0,
     )
 
 
@@ -118,3 +127,116 @@ def load_curve(
         result = simulate(arrivals, policy, service_ms)
         points.append({"rate": round(float(rate), 3), **result.to_dict()})
     return points
+
+
+
+# Lag-aware routing ---------------------------------------------------------------------------------
+# The same batchers, each arrival placed by the real Router (streams/routing.py) from the reports
+# the simulated workers publish every report_every_s (their backlog and measured seconds per
+# item, as stages/inference.py reports them), delivered report_delay_s later. Replicas share no
+# CPU here (an accelerator each), so the placement policy alone decides the difference.
+
+
+class _Replica:
+    """One worker's batcher, advanced lazily: a batch is formed once nothing that arrives later
+    can change it (it is due and the model thread is free, within the time simulated so far)."""
+
+    def __init__(self, name: str, partitions: list[int], policy: SimPolicy, service_ms: Callable[[int], float]) -> None:
+        self.name, self.partitions, self.policy, self.service_ms = name, partitions, policy, service_ms
+        self.limit = 1 if policy.mode == "off" else policy.max_batch
+        self.queue: list[tuple[float, int]] = []  # (arrival at the worker, item index), in order
+        self.running: list[tuple[float, int]] = []  # (finish, size) of started batches
+        self.free_at = 0.0
+        self.item_s: float | None = None  # an EWMA, like ServiceClock.item_done
+        self.batches = 0
+
+    def advance(self, now: float, finish: np.ndarray) -> None:
+        while self.queue:
+            head = self.queue[0][0]
+            fill_at = self.queue[self.limit - 1][0] if len(self.queue) >= self.limit else np.inf
+            timeout = self.policy.max_wait_s if self.policy.mode == "dynamic" else self.policy.static_timeout_s
+            due = head if self.policy.mode == "off" else min(fill_at, head + timeout)
+            start = max(self.free_at, due)
+            if start > now:
+                return  # later arrivals may still join this batch
+            batch = [item for item in self.queue[: self.limit] if item[0] <= start]
+            del self.queue[: len(batch)]
+            seconds = self.service_ms(len(batch)) / 1000.0
+            self.free_at = start + seconds
+            finish[[index for _, index in batch]] = self.free_at
+            self.running.append((self.free_at, len(batch)))
+            sample = seconds / len(batch)
+            self.item_s = sample if self.item_s is None else self.item_s + 0.2 * (sample - self.item_s)
+            self.batches += 1
+
+    def report(self, now: float, epoch: float) -> WorkerState:
+        """The worker's state at `now` (simulated seconds), stamped `epoch + now` for the Router."""
+        self.running = [(end, size) for end, size in self.running if end > now]
+        backlog = len(self.queue) + sum(size for _, size in self.running)
+        return WorkerState(worker=self.name, partitions=self.partitions, ready=True, models=[SIM_MODEL],
+                           item_s=self.item_s, waits_s={}, at=epoch + now, backlog=backlog)
+
+
+SIM_MODEL = "model"
+
+
+def simulate_routed(
+    arrivals_s: Sequence[float],
+    policy: SimPolicy,
+    service_ms: Callable[[int], float],
+    scheduling: SchedulingSettings,
+    *,
+    extra_ms: Sequence[float],
+    partitions_per_replica: int = 2,
+    hop_s: float = 0.02,
+    report_delay_s: float = 0.05,
+    committed_lag: bool = False,
+    lag_interval_s: float = 0.5,
+    commit_interval_s: float = 0.5,
+) -> SimResult:
+    """Sojourn time (routing hop + batcher) of every arrival, placed by the Router.
+
+    committed_lag: the workers report no backlog and the router reads the group's committed
+    lag every lag_interval_s instead (what routing used before the workers counted their own
+    queue): a partition's lag counts what its worker finished since its last commit."""
+    arrivals = np.sort(np.asarray(arrivals_s, dtype=float))
+    if arrivals.size == 0:
+        return SimResult(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    epoch = 1_000_000.0  # the Router reads epoch-like seconds; any origin will do
+    now = [epoch]
+    router = Router(scheduling, lambda: now[0])
+    replicas = [
+        _Replica(f"r{r}", list(range(r * partitions_per_replica, (r + 1) * partitions_per_replica)), policy,
+                 lambda b, e=extra: service_ms(b) + e)
+        for r, extra in enumerate(extra_ms)
+    ]
+    owner = {p: replica for replica in replicas for p in replica.partitions}
+    finish = np.full(arrivals.size, np.nan)
+    placed = np.full(arrivals.size, -1)
+    pending: list[tuple[float, WorkerState]] = []  # reports on their way to the router
+    next_report = next_lag = arrivals[0]
+    for index, at in enumerate(arrivals):
+        while next_report <= at:  # every worker reports; the router reads it report_delay_s later
+            for replica in replicas:
+                replica.advance(next_report, finish)
+                state = replica.report(next_report, epoch)
+                pending.append((next_report + report_delay_s, msgspec.structs.replace(state, backlog=None)
+                                if committed_lag else state))
+            next_report += scheduling.worker_state_interval_s
+        while committed_lag and next_lag <= at:
+            for replica in replicas:
+                replica.advance(next_lag, finish)
+            committed = np.floor(next_lag / commit_interval_s) * commit_interval_s
+            open_ = (placed >= 0) & ~(finish <= committed)  # unfinished or finished since the commit
+            router.observe_lag({p: int(np.count_nonzero(open_ & (placed == p))) for p in owner})
+            next_lag += lag_interval_s
+        for state in [s for due, s in pending if due <= at]:
+            router.observe_worker(state)
+        pending = [(due, s) for due, s in pending if due > at]
+        now[0] = epoch + at
+        chosen = router.choose(SIM_MODEL, fallback=int(index % len(owner)))
+        owner[chosen].queue.append((at + hop_s, index))
+        placed[index] = chosen
+    for replica in replicas:
+        replica.advance(np.inf, finish)
+    return _result((finish - arrivals) * 1000.0, float(np.nanmax(finish)) - arrivals[0], sum(r.batches for r in replicas))

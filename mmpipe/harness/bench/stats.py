@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,14 @@ SPAN_STAGE = {
     "queue_inference_ms": "inference", "batch_wait_ms": "inference", "execute_ms": "inference",
     "queue_sink_ms": "sink", "sink_ms": "sink",
 }
+# The spans before a job reaches the inference batcher: their sum after created_at is its
+# arrival there (the trace's inference_in stamp).
+BEFORE_BATCHER = SPANS[:SPANS.index("batch_wait_ms")]
+# Starvation check: the trace stamps a job's arrival at the batcher when the inference stage
+# takes its message, a moment before the batcher ranks it; leads within this of the window pass.
+STAMP_TOLERANCE_S = 0.05
+# Jobs whose batch starts (rebuilt from rounded spans) are closer than this ran in one batch.
+SAME_BATCH_S = 1e-4
 # Saturation throughput skips this share of the completions while fed: the ramp-up (an empty
 # pipeline filling) is not the steady state.
 STEADY_SKIP = 0.1
@@ -51,7 +60,7 @@ def run_stats(results: list[JobResult], published: int, flood: bool) -> dict[str
         "e2e_ms": percentiles([r.timings.end_to_end_ms for r in ok]),
         # Time in the inference stage's batcher plus execution: what the simulation models.
         "inference_ms": percentiles([r.timings.batch_wait_ms + r.timings.execute_ms for r in ok]),
-        "breakdown_ms": {span: round(float(np.mean([getattr(r.timings, span) for r in ok])), 2) if ok else 0.0 for span in SPANS},
+        "breakdown_ms": mean_spans(ok),
         "breakdown_p99_ms": {span: percentiles([getattr(r.timings, span) for r in ok])["p99"] for span in SPANS},
         "tail_breakdown_ms": _tail_breakdown(ok),
     }
@@ -61,6 +70,84 @@ def run_stats(results: list[JobResult], published: int, flood: bool) -> dict[str
         for modality, rs in _group(ok, lambda r: r.modality).items()
     }
     return stats
+
+
+def priority_stats(results: list[JobResult], aging_s: float) -> dict[str, Any]:
+    """A run with several priority levels: per level (0 = high) the jobs, end-to-end and
+    batcher-wait percentiles, mean spans; the highest level's p99 over the lowest level's; and the
+    starvation check at the inference batcher (batcher_overtakes)."""
+    ok = [r for r in results if r.status == "ok"]
+    every = _group(results, lambda r: r.priority)
+    done = _group(ok, lambda r: r.priority)
+    levels = {
+        str(level): {"jobs": len(every[level]), "ok": len(done[level]),
+                     "e2e_ms": percentiles([r.timings.end_to_end_ms for r in done[level]]),
+                     "batch_wait_ms": percentiles([r.timings.batch_wait_ms for r in done[level]]),
+                     "breakdown_ms": mean_spans(done[level])}
+        for level in sorted(every)
+    }
+    high, low = (min(done), max(done)) if done else (None, None)
+    low_p99 = levels[str(low)]["e2e_ms"]["p99"] if done else 0.0
+    ratio = levels[str(high)]["e2e_ms"]["p99"] / low_p99 if high != low and low_p99 else None
+    return {"aging_s": aging_s, "levels": levels, "high": high, "low": low,
+            "high_over_low_p99": None if ratio is None else round(ratio, 4),
+            "starvation": batcher_overtakes(ok, aging_s, low)}
+
+
+def batcher_overtakes(ok: list[JobResult], aging_s: float, watched: int | None) -> dict[str, Any]:
+    """The starvation bound (streams/priority.py), checked at the one queue whose entry and exit
+    every job's trace stamps: the inference batcher. A job's arrival there is created_at plus the
+    spans before it, its exit the start of its batch. Job H overtook job L when it arrived after
+    L and ran in an earlier batch; the rank order allows that only if H arrived less than
+    max(p_L - p_H, 0) x aging_s after L, so a larger lead (beyond STAMP_TOLERANCE_S) is a
+    violation. Valid for one inference replica and one shape bucket (one image model);
+    single-part jobs only (a multi-part job's spans are its last part's). The decode admission
+    wait and the decode and preprocess pools rank too, but their waits lie inside decode_ms and
+    preprocess_ms (nothing stamps when a worker takes an item): not checked here.
+
+    Returns the pairs of levels seen overtaking (victim<-overtaker: window, largest lead, jobs
+    overtaken), the jobs overtaken beyond the bound, and for the `watched` level (the lowest)
+    its largest batcher wait and end-to-end time, and the job that waited longest: how many
+    jobs overtook it and their largest lead."""
+    jobs = [r for r in ok if r.parts == 1 and r.timings.batch_size > 0]
+    arrived = [r.created_at + sum(getattr(r.timings, s) for s in BEFORE_BATCHER) / 1000 for r in jobs]
+    started = [a + r.timings.batch_wait_ms / 1000 for a, r in zip(arrived, jobs)]
+    levels = sorted({r.priority for r in jobs})
+    latest = {q: float("-inf") for q in levels}  # latest arrival per level among earlier batches
+    seen: list[float] = []  # arrivals of the jobs of earlier batches, sorted
+    pairs: dict[str, dict[str, Any]] = {}
+    beyond: list[str] = []
+    overtakers: dict[str, tuple[int, float]] = {}  # job -> (how many overtook it, largest lead)
+    order = sorted(range(len(jobs)), key=started.__getitem__)
+    batches = np.split(order, np.flatnonzero(np.diff([started[i] for i in order]) >= SAME_BATCH_S) + 1) if jobs else []
+    for batch in batches:
+        for i in batch:
+            r, a = jobs[i], arrived[i]
+            leads = {q: latest[q] - a for q in levels if latest[q] > a}
+            windows = {q: max(r.priority - q, 0) * aging_s for q in leads}
+            for q, lead in leads.items():
+                pair = pairs.setdefault(f"{r.priority}<-{q}", {"window_s": windows[q], "max_lead_s": 0.0, "jobs_overtaken": 0})
+                pair["max_lead_s"] = round(max(pair["max_lead_s"], lead), 3)
+                pair["jobs_overtaken"] += 1
+            if any(lead >= windows[q] + STAMP_TOLERANCE_S for q, lead in leads.items()):
+                beyond.append(r.job_id)
+            overtakers[r.job_id] = (len(seen) - bisect.bisect_right(seen, a), max(leads.values(), default=0.0))
+        for i in batch:
+            latest[jobs[i].priority] = max(latest[jobs[i].priority], arrived[i])
+            bisect.insort(seen, arrived[i])
+    out: dict[str, Any] = {"where": "inference batcher", "jobs": len(jobs), "tolerance_s": STAMP_TOLERANCE_S,
+                           "pairs": dict(sorted(pairs.items())), "beyond_bound": len(beyond), "beyond_jobs": beyond[:10]}
+    low = [r for r in jobs if r.priority == watched]
+    if low:
+        worst = max(low, key=lambda r: r.timings.batch_wait_ms)
+        count, lead = overtakers[worst.job_id]
+        out["low"] = {
+            "priority": watched,
+            "max_batch_wait_ms": round(worst.timings.batch_wait_ms, 2),
+            "max_e2e_ms": round(max(r.timings.end_to_end_ms for r in low), 2),
+            "longest_wait": {"job_id": worst.job_id, "overtaken_by": count, "max_lead_s": round(lead, 3)},
+        }
+    return out
 
 
 def dominant_stage(breakdown_ms: dict[str, float]) -> tuple[str, float]:
@@ -75,10 +162,13 @@ def dominant_stage(breakdown_ms: dict[str, float]) -> tuple[str, float]:
 
 def _tail_breakdown(ok: list[JobResult]) -> dict[str, float]:
     """Mean spans of the slowest 1% of jobs (at least one): where the p99 is spent."""
-    if not ok:
-        return {span: 0.0 for span in SPANS}
     slowest = sorted(ok, key=lambda r: r.timings.end_to_end_ms)[-max(1, len(ok) // 100):]
-    return {span: round(float(np.mean([getattr(r.timings, span) for r in slowest])), 2) for span in SPANS}
+    return mean_spans(slowest)
+
+
+def mean_spans(results: list[JobResult]) -> dict[str, float]:
+    """Mean ms per span over these jobs (zeros when there are none)."""
+    return {span: round(float(np.mean([getattr(r.timings, span) for r in results])), 2) if results else 0.0 for span in SPANS}
 
 
 def _throughput(ok: list[JobResult]) -> float:

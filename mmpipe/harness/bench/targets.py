@@ -21,12 +21,21 @@ EXECUTE_INFLATION = 1.2  # a batch's execute time in the pipeline over the model
 # becomes pipeline gain >= GAIN_CAPTURE x model gain instead.
 MIN_GAIN = 1.05
 ROUTED_P99 = 1.5  # degraded pair with routing: p99 over the healthy pair's p99 (same run)
+PRIORITY_P99 = 1 / 3  # priority scenario: high-priority p99 over low-priority p99 (same run)
+SPEECH_DECODER_GAIN = 2.0  # continuous over request-level decoder tokens/s, at equal or better p99
+SPEECH_WER = 0.25  # word error rate against the spoken text
+SPEECH_KV = 1.0  # peak KV reservation over the budget
 
 
 def evaluate(result: dict[str, Any], memory_budget_bytes: int) -> list[dict[str, Any]]:
-    checks = [_gain_capture(result), _p99_bound(result), _overhead(result), _decode(result), _memory(result, memory_budget_bytes),
-              _routing(result)]
-    checks += _efficiency(result.get("efficiency") or {})
+    checks: list[dict[str, Any] | None] = []
+    if "model_alone" in result:  # the pipeline ran
+        checks += [_gain_capture(result), _p99_bound(result), _overhead(result), _decode(result),
+                   _memory(result, memory_budget_bytes), _routing(result)]
+        checks += _priorities(result)
+        checks += _efficiency(result.get("efficiency") or {})
+    if result.get("speech"):
+        checks += _speech(result["speech"])
     return [c for c in checks if c is not None]
 
 
@@ -64,9 +73,74 @@ def _routing(result: dict[str, Any]) -> dict[str, Any] | None:
     ratio = routed["stats"]["e2e_ms"]["p99"] / base if base else None
     detail = (f"degraded pair, p99: healthy {base:.0f} ms, routed {routed['stats']['e2e_ms']['p99']:.0f} ms"
               + (f", hash {hashed['stats']['e2e_ms']['p99']:.0f} ms ({hashed['stats']['e2e_ms']['p99'] / base:.2f}x)" if hashed and base else "")
-              + f"; throughput routed {routed['stats']['throughput']:.2f} vs healthy {healthy['stats']['throughput']:.2f} jobs/s")
+              + f"; throughput routed {routed['stats']['throughput']:.2f} vs healthy {healthy['stats']['throughput']:.2f} jobs/s"
+              + _routing_detail(routed, healthy, hashed))
     return _check("degraded p99 with routing / healthy p99", ratio, ROUTED_P99, None if ratio is None else ratio <= ROUTED_P99,
                   detail, bottleneck(routed, result))
+
+
+def _routing_detail(routed: dict[str, Any], healthy: dict[str, Any], hashed: dict[str, Any] | None) -> str:
+    """The router's own record of the run (decisions per ready partition, flips) and the same
+    arrivals simulated with the real Router, where the replicas share no CPU."""
+    text = ""
+    counts = routed.get("routing")
+    if counts:
+        text += f"; decisions per ready partition {counts['decisions']}, flips {counts['flips']}"
+        if routed.get("offered_rate"):  # over the arrivals' span
+            text += f" ({counts['flips'] / (routed['stats']['published'] / routed['offered_rate'] / 60.0):.0f}/min)"
+    sims = [r.get("sim") for r in (healthy, routed, hashed)]
+    if sims[0] and sims[1] and sims[0]["p99_ms"]:
+        text += (f"; simulated batcher p99 (no shared CPU): routed {sims[1]['p99_ms'] / sims[0]['p99_ms']:.2f}x healthy"
+                 + (f", hash {sims[2]['p99_ms'] / sims[0]['p99_ms']:.2f}x" if sims[2] else ""))
+    return text
+
+
+def _priorities(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Priority scenario: high-priority p99 over low-priority p99, and the starvation bound as
+    far as the traces show it (at the inference batcher: stats.batcher_overtakes)."""
+    run = next((r for r in result["runs"] if r["scenario"] == "priority" and "priority" in r), None)
+    if run is None:
+        return []
+    fig = run["priority"]
+    levels, starve = fig["levels"], fig["starvation"]
+    high, low = fig["high"], fig["low"]
+    ratio = fig["high_over_low_p99"]
+    counts = ", ".join(f"priority {p}: {v['ok']}/{v['jobs']} ok, p50/p99 {v['e2e_ms']['p50']:.0f}/{v['e2e_ms']['p99']:.0f} ms, "
+                       f"batch wait p99 {v['batch_wait_ms']['p99']:.0f} ms" for p, v in levels.items())
+    detail = f"{run['label']} at {run['load']:.0%} load ({run['offered_rate']:.2f} jobs/s), aging_s {fig['aging_s']:g}: {counts}"
+    if ratio is not None and ratio > PRIORITY_P99:
+        detail += f"; over by {ratio / PRIORITY_P99:.2f}x"
+    checks = [_check("priorities: high-priority p99 / low-priority p99", ratio, round(PRIORITY_P99, 3),
+                     None if ratio is None else ratio <= PRIORITY_P99, detail, _high_path(levels[str(high)], high) if levels else None)]
+    pairs = "; ".join(f"priority {k.split('<-')[0]} overtaken by {k.split('<-')[1]}: {v['jobs_overtaken']} jobs, largest lead "
+                      f"{v['max_lead_s']:.2f} s of a {v['window_s']:g} s window" for k, v in starve["pairs"].items()) or "no job overtaken"
+    detail = (f"checked at the inference batcher, {starve['jobs']} jobs (arrival and batch start from each job's trace; "
+              f"a job may be overtaken only by work arriving less than (its priority - theirs) x aging_s after it, "
+              f"tolerance {starve['tolerance_s'] * 1000:.0f} ms): {pairs}")
+    lows = starve.get("low")
+    if lows:
+        worst = lows["longest_wait"]
+        detail += (f". Priority {lows['priority']}: longest batcher wait {lows['max_batch_wait_ms']:.0f} ms (overtaken by {worst['overtaken_by']} "
+                   f"job(s), largest lead {worst['max_lead_s']:.2f} s), largest end-to-end {lows['max_e2e_ms']:.0f} ms "
+                   f"(no fixed time bound: the bound limits who may overtake, the extra wait is their service time)")
+    if starve["beyond_bound"]:
+        detail += f". Overtaken beyond the bound: {starve['beyond_bound']} jobs, e.g. {', '.join(starve['beyond_jobs'][:3])}"
+    detail += (". Not checked: decode's admission wait and the decode and preprocess pools, which rank too but whose waits "
+               "lie inside decode_ms and preprocess_ms (no stamp when a worker takes an item)")
+    checked = starve["jobs"] > 0 and high != low
+    checks.append(_check("priorities: jobs overtaken beyond the starvation bound (inference batcher)", starve["beyond_bound"], 0,
+                         starve["beyond_bound"] == 0 if checked else None, detail))
+    return checks
+
+
+def _high_path(level: dict[str, Any], priority: int) -> dict[str, Any]:
+    """Where the high-priority jobs' time goes. Priorities reorder work inside a stage; the
+    stages' input topics are FIFO, so the q spans are waits no priority shortens."""
+    stage, share = dominant_stage(level["breakdown_ms"])
+    spans = ", ".join(f"{span.removesuffix('_ms')} {ms:.0f}" for span, ms in level["breakdown_ms"].items())
+    return {"stage": stage, "share": round(share, 3), "breakdown_ms": level["breakdown_ms"],
+            "summary": f"priority {priority} jobs: {stage} holds {share:.0%} of their path; mean ms {spans} "
+                       "(queue_* = waiting in the stage's input topic, FIFO for every priority)"}
 
 
 def _check(name: str, measured: float | None, threshold: float, passed: bool | None, detail: str, holds_back: dict | None = None, unit: str = "") -> dict[str, Any]:
@@ -271,4 +345,40 @@ def _efficiency(eff: dict[str, Any]) -> list[dict[str, Any]]:
     inflation = ours["saturation"]["execute_inflation"]
     checks.append(_check("batch execute in pipeline / alone", inflation, EXECUTE_INFLATION, inflation <= EXECUTE_INFLATION,
                          f"item-weighted over the saturation run's batches (mean batch {ours['saturation']['mean_batch']})"))
+    return checks
+
+
+def _speech(speech: dict[str, Any]) -> list[dict[str, Any]]:
+    """The speech scenario: continuous against request-level decoder tokens/s at equal or better
+    p99 (the encoder's time, the same under every policy, is reported apart), word error rate,
+    and the KV reservation against its budget, over all three policies."""
+    by = {r["policy"]: r for r in speech["runs"]}
+    cont, req, off = by["continuous"], by["request"], by["off"]
+    gain = speech["continuous_vs_request_decoder_tokens_per_s"]
+    p99_ok = cont["latency_p99_s"] <= req["latency_p99_s"]
+    peer = speech["peer"]
+    peer_text = f"peer {peer['audio_s_per_s']}" if "audio_s_per_s" in peer else f"peer not run ({peer.get('error')})"
+    detail = (f"{speech['clips']} clips ({speech['audio_s']} s of audio) at {speech['rate_per_s']:g}/s: decoder tokens/s "
+              f"continuous {cont['decoder_tokens_per_s']} vs request-level {req['decoder_tokens_per_s']} ({gain:.2f}x; "
+              f"off {off['decoder_tokens_per_s']}, {speech['continuous_vs_off_decoder_tokens_per_s']:.2f}x); latency p99 "
+              f"{cont['latency_p99_s']} vs {req['latency_p99_s']} s; encoder s apart (off/request/continuous) "
+              f"{off['encoder_s']}/{req['encoder_s']}/{cont['encoder_s']}; audio s/s end to end "
+              f"{off['audio_s_per_s']}/{req['audio_s_per_s']}/{cont['audio_s_per_s']}, {peer_text}; other users' CPU up to "
+              f"{max(r['resources']['other_busy_cores'] for r in speech['runs']):.2f} cores during the runs")
+    if gain < SPEECH_DECODER_GAIN:
+        detail += f"; short by {SPEECH_DECODER_GAIN - gain:.2f}x"
+    if not p99_ok:
+        detail += f"; p99 worse by {cont['latency_p99_s'] - req['latency_p99_s']:.3f} s"
+    checks = [_check("speech: continuous / request-level decoder tokens/s, p99 not worse", gain, SPEECH_DECODER_GAIN,
+                     gain >= SPEECH_DECODER_GAIN and p99_ok, detail)]
+    wer = max(r["wer"] for r in speech["runs"])
+    detail = (", ".join(f"{r['policy']} {r['wer']}" for r in speech["runs"])
+              + f"; clips with the same tokens under every policy: {speech['clips_where_policies_agree']}/{speech['clips']}")
+    if "audio_s_per_s" in peer:
+        detail += f", ctranslate2 equal to continuous: {speech['clips_where_peer_tokens_equal_continuous']}/{speech['clips']}"
+    checks.append(_check("speech: word error rate (worst policy)", wer, SPEECH_WER, wer <= SPEECH_WER, detail))
+    use = max(r["kv_peak_bytes"] / r["kv_budget_bytes"] for r in speech["runs"])
+    detail = "KV peak / budget MB: " + ", ".join(
+        f"{r['policy']} {r['kv_peak_bytes'] / 1e6:.0f}/{r['kv_budget_bytes'] / 1e6:.0f}" for r in speech["runs"])
+    checks.append(_check("speech: KV reservation / budget (peak)", use, SPEECH_KV, use <= SPEECH_KV, detail))
     return checks

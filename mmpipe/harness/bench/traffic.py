@@ -1,14 +1,16 @@
-"""Seeded arrival schedules: when each job is sent and of which modality.
+"""Seeded arrival schedules: when each job is sent, of which modality and priority.
 
-A schedule is a list of Arrival(offset_s, modality), sorted by offset. The same seed gives the
-same schedule, so the measured run and its queueing simulation see identical traffic.
+A schedule is a list of Arrival(offset_s, modality, priority), sorted by offset. The same seed
+gives the same schedule, so the measured run and its queueing simulation see identical traffic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+from mmpipe.schemas.events import HIGH_PRIORITY, LOW_PRIORITY, NORMAL_PRIORITY
 
 # The mixed workload: mostly images (the batching showcase), plus the other modalities.
 MIXED_SHARES = {"image": 0.7, "video": 0.1, "audio": 0.1, "text": 0.1}
@@ -18,6 +20,7 @@ MIXED_SHARES = {"image": 0.7, "video": 0.1, "audio": 0.1, "text": 0.1}
 class Arrival:
     offset_s: float
     modality: str
+    priority: int = NORMAL_PRIORITY  # of the job's event (0 = high)
 
 
 def poisson(rate: float, duration_s: float, seed: int, modality: str = "image") -> list[Arrival]:
@@ -43,6 +46,16 @@ def flood(count: int, modality: str = "image", seed: int = 0) -> list[Arrival]:
     it sends each job when an earlier one completes, not at these offsets."""
     rng = np.random.default_rng(seed)
     return _label([0.0] * count, modality, rng)
+
+
+def with_priorities(
+    schedule: list[Arrival], high_share: float, seed: int, rest: int = LOW_PRIORITY,
+) -> list[Arrival]:
+    """The same arrivals, round(high_share x n) of them (a seeded pick) at HIGH_PRIORITY and
+    the others at `rest`."""
+    rng = np.random.default_rng((seed, 1))  # its own stream: the offsets stay those of `seed`
+    high = set(rng.choice(len(schedule), size=round(high_share * len(schedule)), replace=False).tolist())
+    return [replace(a, priority=HIGH_PRIORITY if i in high else rest) for i, a in enumerate(schedule)]
 
 
 def mean_rate(schedule: list[Arrival]) -> float:

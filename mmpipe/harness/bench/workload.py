@@ -23,6 +23,7 @@ from mmpipe.stages.decode import samples
 from mmpipe.client import make_event
 from mmpipe.stages.decode.media import DecodeLimits, decode_audio, decode_image
 from mmpipe.schemas import MediaEvent
+from mmpipe.schemas.events import NORMAL_PRIORITY
 
 IMAGE_SIZE = (640, 480)
 IMAGE_VARIANTS = 8
@@ -56,18 +57,18 @@ class Workload:
             work.audio = _cached_path(media_dir / "speech.flac", lambda: samples.encode_audio(samples.speech_pcm(), fmt="flac"))
         return work
 
-    def event(self, modality: str, run_tag: str) -> MediaEvent:
+    def event(self, modality: str, run_tag: str, priority: int = NORMAL_PRIORITY) -> MediaEvent:
         """A new job of this modality; created_at is now, so build it at send time."""
         n = next(self._counter)
-        job_id = f"{run_tag}-{n}"
+        job = dict(job_id=f"{run_tag}-{n}", priority=priority)
         if modality == "image":
-            return make_event("image", data=self.images[n % len(self.images)], job_id=job_id)
+            return make_event("image", data=self.images[n % len(self.images)], **job)
         if modality == "text":
-            return make_event("text", text=TEXTS[n % len(TEXTS)], job_id=job_id)
+            return make_event("text", text=TEXTS[n % len(TEXTS)], **job)
         path = {"video": self.video, "audio": self.audio}[modality]
         if path is None:
             raise ValueError(f"workload was prepared without {modality} media")
-        return make_event(modality, uri=str(path), job_id=job_id)
+        return make_event(modality, uri=str(path), **job)
 
 
 def model_input(spec: object, modality: str, work: Workload) -> dict[str, np.ndarray]:
