@@ -16,6 +16,7 @@ from rich.table import Table
 
 from mmpipe.capacity import LATENCY_BUDGET_S
 from mmpipe.schemas.settings import Settings, load_settings, redact_url
+from mmpipe.streams.topology import STAGE_NAMES
 
 if TYPE_CHECKING:
     from mmpipe.supervisor import Pipeline
@@ -73,7 +74,7 @@ def topics(bootstrap: BootstrapOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-def worker(stage: Annotated[str, typer.Argument(help="decode | preprocess | inference | sink")], bootstrap: BootstrapOpt = None) -> None:
+def worker(stage: Annotated[str, typer.Argument(help=" | ".join(STAGE_NAMES))], bootstrap: BootstrapOpt = None) -> None:
     """Run one stage as its own process (one member of the stage's consumer group)."""
     from mmpipe.streams.metrics import StageMetrics
     from mmpipe.streams.delivery import StageRuntime
@@ -283,12 +284,15 @@ def lag(
     )] = None,
     metrics_base_port: int = typer.Option(9100, help="`up`'s metrics base port, probed when no --metrics (0: don't)"),
     target_utilisation: float = typer.Option(0.7, min=0.05, max=1.0, help="busy fraction per replica the hint aims for"),
+    keda: bool = typer.Option(False, "--keda", help="also the KEDA Kafka scaler's lagThreshold and replica bounds "
+                                                    "these measurements give (as `mmpipe keda`)"),
     as_json: JsonOpt = False,
 ) -> None:
     """Consumer lag per stage group and partition (like kafka-consumer-groups --describe), and per
     stage the arrival rate, service time and the replicas needed to keep up."""
     from mmpipe.report import (
-        capacity_json, capacity_report, capacity_table, fitted, partition_json, partition_lag_table, stage_lag_rows,
+        capacity_json, capacity_report, capacity_table, fitted, live_scaling_bounds, partition_json,
+        partition_lag_table, scaling_json, scaling_table, stage_lag_rows,
     )
 
     settings = _settings(bootstrap)
@@ -300,11 +304,18 @@ def lag(
             console.print(fitted(console, partition_lag_table(rows, settings.bootstrap)))
         return
     report = asyncio.run(capacity_report(settings, window, metrics, metrics_base_port, target_utilisation))
+    source = f"measured on {settings.bootstrap} over {report.window_s:.1f} s"
+    bounds = live_scaling_bounds(report, settings, LATENCY_BUDGET_S) if keda else None
     if as_json:
-        _print_json(capacity_json(report))
+        document = capacity_json(report)
+        if bounds is not None:
+            document["keda"] = scaling_json(bounds, LATENCY_BUDGET_S, source)
+        _print_json(document)
         return
     console.print(fitted(console, capacity_table(report)))
     console.print(fitted(console, partition_lag_table(report.partitions, settings.bootstrap)))
+    if bounds is not None:
+        console.print(fitted(console, scaling_table(bounds, LATENCY_BUDGET_S, source)))
 
 
 @app.command()
@@ -343,11 +354,12 @@ def keda(
     metrics_base_port: int = typer.Option(9100, help="live: `up`'s metrics base port, probed when no --metrics"),
     target_utilisation: float = typer.Option(0.7, min=0.05, max=1.0, help="busy fraction per replica minReplicaCount aims for"),
     bootstrap: BootstrapOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """The KEDA Kafka scaler's numbers per stage (lagThreshold, min/max replicas, grace period)
     from the capacity model, with service times measured live (as `mmpipe lag`) or by a benchmark."""
     from mmpipe.capacity import scaling_bounds, stage_workers
-    from mmpipe.report import capacity_report, live_scaling_bounds, scaling_table
+    from mmpipe.report import capacity_report, fitted, live_scaling_bounds, scaling_json, scaling_table
 
     settings = _settings(bootstrap)
     if bench is not None:
@@ -362,7 +374,10 @@ def keda(
         report = asyncio.run(capacity_report(settings, window, metrics, metrics_base_port, target_utilisation))
         bounds = live_scaling_bounds(report, settings, latency_budget_s)
         source = f"measured on {settings.bootstrap} over {report.window_s:.1f} s"
-    console.print(scaling_table(bounds, latency_budget_s, source))
+    if as_json:
+        _print_json(scaling_json(bounds, latency_budget_s, source))
+    else:
+        console.print(fitted(console, scaling_table(bounds, latency_budget_s, source)))
 
 
 def _bench_service_times(path: Path) -> dict[str, float]:
@@ -380,13 +395,22 @@ def _bench_service_times(path: Path) -> dict[str, float]:
 def demo(
     jobs: int = typer.Option(4, help="demo jobs to publish (cycling video, image, audio, text)"),
     timeout_s: float = typer.Option(300.0, help="give up waiting for results after this long"),
+    as_json: JsonOpt = False,
 ) -> None:
     """End to end on the embedded broker: start everything, publish generated media, print results."""
-    from mmpipe.demo import run_demo
+    from mmpipe.demo import print_demo, print_missing, run_demo
 
     settings = _settings(allow_random_weights=True)
-    ok = run_demo(settings, jobs, timeout_s, console)
-    raise typer.Exit(0 if ok else 1)
+    # With --json stdout carries only the results (a line per job); the progress goes to stderr.
+    progress = Console(stderr=True) if as_json else console
+    run = run_demo(settings, jobs, timeout_s, progress)
+    if as_json:
+        for result in run.in_order():
+            _print_json(result)
+    else:
+        print_demo(run, settings, console)
+    print_missing(run, progress)
+    raise typer.Exit(0 if run.ok() else 1)
 
 
 @app.command()

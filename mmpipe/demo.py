@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -15,7 +16,7 @@ from mmpipe.client import Publisher, collect_results, make_event
 from mmpipe.report import fitted, results_table
 from mmpipe.schemas.settings import Settings
 from mmpipe.supervisor import Pipeline
-from mmpipe.schemas import MediaEvent
+from mmpipe.schemas import JobResult, MediaEvent
 
 DEMO_TEXTS = [
     "Streaming inference turns a model into a service that must behave under real traffic.",
@@ -57,7 +58,27 @@ def demo_events(count: int, directory: Path, deadline_s: float | None = None) ->
     return events
 
 
-def run_demo(settings: Settings, jobs: int, timeout_s: float, console: Console) -> bool:
+@dataclass(frozen=True)
+class DemoRun:
+    """The demo's jobs in the order published and the results that came back for them."""
+
+    events: list[MediaEvent]
+    results: dict[str, JobResult]
+    timeout_s: float
+
+    def in_order(self) -> list[JobResult]:
+        return [self.results[e.job_id] for e in self.events if e.job_id in self.results]
+
+    def missing(self) -> list[str]:
+        return [e.job_id for e in self.events if e.job_id not in self.results]
+
+    def ok(self) -> bool:
+        return not self.missing() and all(r.status == "ok" for r in self.results.values())
+
+
+def run_demo(settings: Settings, jobs: int, timeout_s: float, console: Console) -> DemoRun:
+    """Start the pipeline, publish the demo's jobs and wait for their results; `console` shows
+    the progress."""
     with console.status("making demo media (espeak-ng speech, H.264 video, PNG image)..."):
         make_demo_media(settings.state_path("demo"))
     with console.status("starting the embedded broker and the four stages..."):
@@ -71,15 +92,22 @@ def run_demo(settings: Settings, jobs: int, timeout_s: float, console: Console) 
     finally:
         with console.status("stopping..."):
             pipeline.stop()
-    console.print(fitted(console, results_table([results[e.job_id] for e in events if e.job_id in results])))
-    _print_spoken_track(results, console)
-    if any(r.weights == "random" for r in results.values()):
+    return DemoRun(events, results, timeout_s)
+
+
+def print_demo(run: DemoRun, settings: Settings, console: Console) -> None:
+    """The results table, what the video's speech came back as, and a word on random weights."""
+    console.print(fitted(console, results_table(run.in_order())))
+    _print_spoken_track(run.results, console)
+    if any(r.weights == "random" for r in run.results.values()):
         console.print("[yellow]note:[/] resnet18 ran with RANDOM weights (no ImageNet weights on this machine:"
                       f" put resnet18-f37072fd.pth in {settings.weights_dir}); its labels are meaningless, its timings real.")
-    missing = [e.job_id for e in events if e.job_id not in results]
+
+
+def print_missing(run: DemoRun, console: Console) -> None:
+    missing = run.missing()
     if missing:
-        console.print(f"[red]no result within {timeout_s:.0f}s for: {', '.join(missing)}[/]")
-    return not missing and all(r.status == "ok" for r in results.values())
+        console.print(f"[red]no result within {run.timeout_s:.0f}s for: {', '.join(missing)}[/]")
 
 
 def _print_spoken_track(results: dict, console: Console) -> None:

@@ -391,6 +391,11 @@ def live_scaling_bounds(report: CapacityReport, settings: Settings, latency_budg
     ]
 
 
+def scaling_json(bounds: list[ScalingBounds], latency_budget_s: float, source: str) -> dict[str, Any]:
+    return {"source": source, "latency_budget_s": latency_budget_s, "stage_budget_s": stage_budget_s(latency_budget_s),
+            "stages": to_jsonable(bounds)}
+
+
 def scaling_table(bounds: list[ScalingBounds], latency_budget_s: float, source: str) -> Table:
     share_ms = stage_budget_s(latency_budget_s) * 1000
     table = Table(

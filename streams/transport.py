@@ -1,4 +1,4 @@
-"""faust's aiokafka transport with four changes, registered as the `mmkafka://` broker scheme.
+"""faust's aiokafka transport with five changes, registered as the `mmkafka://` broker scheme.
 
 1. A configurable fetch max wait. faust hard-codes fetch_max_wait_ms=1500. The embedded broker
    holds a fetch for the whole wait even when records are available, which put up to 750 ms on

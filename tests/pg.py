@@ -21,6 +21,7 @@ import psycopg
 import pytest
 
 from mmpipe.streams.broker import free_port
+from tests.system_tools import missing_tool, tool_expected
 
 SUPERUSER = "postgres"
 START_ATTEMPTS = 3  # a free port picked here can be taken by someone else before the server binds it
@@ -164,14 +165,11 @@ def _os_user_for_server() -> str | None:
 def postgres_expected() -> bool:
     """PostgreSQL must be there in CI (CI=true, MMPIPE_REQUIRE_POSTGRES=1) and where its Debian
     package is installed (./dev installs it): a missing server there fails the tests."""
-    return (os.environ.get("CI", "").lower() == "true" or os.environ.get("MMPIPE_REQUIRE_POSTGRES") == "1"
-            or Path("/usr/lib/postgresql").is_dir())
+    return tool_expected("MMPIPE_REQUIRE_POSTGRES", package_installed=Path("/usr/lib/postgresql").is_dir())
 
 
 def _missing(reason: str) -> None:
-    if postgres_expected():
-        pytest.fail(f"PostgreSQL is expected here but {reason}")
-    pytest.skip(reason)
+    missing_tool("PostgreSQL", reason, postgres_expected())
 
 
 def start_server() -> PostgresServer:

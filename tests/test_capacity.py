@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from typer.testing import CliRunner
 
 from mmpipe.capacity import (
+    LATENCY_BUDGET_S,
     MetricsPage,
     ServiceTotals,
     StageLoad,
@@ -30,6 +32,7 @@ from mmpipe.report import capacity_report, capacity_table, replica_endpoints, up
 from mmpipe.streams.broker import free_port
 from mmpipe.streams.kafka import ensure_topics
 from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.topology import STAGE_NAMES
 from tests.conftest import make_settings
 from tests.helpers import publish
 
@@ -234,13 +237,13 @@ def test_capacity_report_against_the_broker(lag_settings):
     assert capacity_table(report).row_count == 4
 
 
-def run_live(settings, monkeypatch, command: str) -> str:
+def run_live(settings, monkeypatch, command: str, *options: str) -> str:
     """`mmpipe COMMAND` against the test broker: one short window, no metrics ports probed."""
     from mmpipe.cli import app
 
     monkeypatch.setenv("MMPIPE_TOPIC_PREFIX", settings.topic_prefix)
     result = CliRunner().invoke(
-        app, [command, "--bootstrap", settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0"],
+        app, [command, "--bootstrap", settings.bootstrap, "--window", "0.5", "--metrics-base-port", "0", *options],
         env={"COLUMNS": "250"},
     )
     assert result.exit_code == 0, result.output
@@ -251,6 +254,14 @@ def test_lag_command(lag_settings, monkeypatch):
     text = " ".join(run_live(lag_settings, monkeypatch, "lag").split())  # rich wraps to the terminal's width
     assert "replica hint" in text and "consumer lag" in text
     assert "no stage metrics reached" in text
+
+
+def test_lag_prints_the_keda_numbers_of_its_measurements(lag_settings, monkeypatch):
+    document = json.loads(run_live(lag_settings, monkeypatch, "lag", "--keda", "--json"))
+    keda = document["keda"]
+    assert [s["stage"] for s in keda["stages"]] == list(STAGE_NAMES)
+    assert keda["source"].startswith("measured on") and keda["latency_budget_s"] == LATENCY_BUDGET_S
+    assert all(s["max_replicas"] == lag_settings.partitions for s in keda["stages"])
 
 
 def test_keda_command_live(lag_settings, monkeypatch):
@@ -326,7 +337,7 @@ def test_bench_service_times_read_the_headline_flood():
     }
     other = flood_run("off", breakdown_ms={}, batch_count={}, batch_items={}, execute_ms_by_batch={})
     times = bench_service_times(bench_result([other, flood_run("dynamic b=8", **stats)]))
-    assert list(times) == ["decode", "preprocess", "inference", "sink"]
+    assert list(times) == list(STAGE_NAMES)
     assert times == pytest.approx({"decode": 0.08, "preprocess": 0.02, "inference": 0.1, "sink": 0.01})
     with pytest.raises(ValueError, match="no flood run"):
         bench_service_times(bench_result([other]))

@@ -31,6 +31,8 @@ COMPOSE_DIR = Path(__file__).resolve().parent.parent / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 ENV_EXAMPLE = COMPOSE_DIR / ".env.example"
 DOCKERFILE = "compose/Dockerfile"
+# The services that run `mmpipe`: the topics job, a worker per stage, the job API.
+MMPIPE_SERVICES = ("topics", *STAGE_NAMES, "api")
 # Read by processes outside Settings (the supervisor's hand-offs), so not Settings fields.
 NON_SETTINGS_ENV = {SETTINGS_FILE_ENV, READY_FILE_ENV}
 
@@ -140,13 +142,13 @@ def test_compose_file_uses_only_documented_variables(env_example):
 
 def test_every_mmpipe_service_runs_an_mmpipe_command(services):
     mine = mmpipe_services(services)
-    assert set(mine) >= {"topics", "decode", "preprocess", "inference", "sink", "api"}
+    assert set(mine) >= set(MMPIPE_SERVICES)
     for name, service in mine.items():
         args = command(service)
         assert args[:1] == ["mmpipe"] and len(args) > 1, f"{name}: command must be `mmpipe <command> ...`, got {args}"
 
 
-@pytest.mark.parametrize("name", ["topics", "decode", "preprocess", "inference", "sink", "api"])
+@pytest.mark.parametrize("name", MMPIPE_SERVICES)
 def test_service_command_parses_against_the_cli(services, name):
     args = command(services[name])[1:]
     if args[0] == "api" and "api" not in CLI_COMMANDS:
@@ -196,7 +198,7 @@ def settings_path_error(variable: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["topics", "decode", "preprocess", "inference", "sink", "api"])
+@pytest.mark.parametrize("name", MMPIPE_SERVICES)
 def test_mmpipe_env_maps_to_settings_and_parses(services, name, monkeypatch, tmp_path):
     env = environment(services[name])
     mmpipe_vars = {k: v for k, v in env.items() if k.startswith("MMPIPE_") and k not in NON_SETTINGS_ENV}
@@ -223,7 +225,7 @@ def test_the_sink_and_the_api_use_the_postgres_service(services):
     expected = f"postgresql://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}@postgres:5432/{pg['POSTGRES_DB']}"
     for name in ("sink", "api"):
         assert environment(services[name])["MMPIPE_STORE_URL"] == expected, name
-    for name in ("decode", "preprocess", "inference"):
+    for name in (stage for stage in STAGE_NAMES if stage != "sink"):
         assert "MMPIPE_STORE_URL" not in environment(services[name]), f"{name} has no business with the store"
 
 
@@ -250,7 +252,7 @@ def test_inference_reserves_a_gpu_and_uses_it(services):
     devices = inference["deploy"]["resources"]["reservations"]["devices"]
     assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), devices
     assert environment(inference)["MMPIPE_DEVICE"].startswith("cuda")
-    for name in ("decode", "preprocess", "sink"):
+    for name in (stage for stage in STAGE_NAMES if stage != "inference"):
         assert "deploy" not in services[name] or "devices" not in str(services[name]["deploy"]), f"{name} needs no GPU"
 
 

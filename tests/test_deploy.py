@@ -227,7 +227,7 @@ def test_only_the_sink_and_the_api_see_the_store(overlay):
     deployments = objects(overlay, "Deployment")
     for name in ("mmpipe-sink", "mmpipe-api"):
         assert "MMPIPE_STORE_URL" in secret_env_of(deployments[name]), name
-    for stage in ("decode", "preprocess", "inference"):
+    for stage in (stage for stage in STAGE_NAMES if stage != "sink"):
         assert "MMPIPE_STORE_URL" not in secret_env_of(deployments[f"mmpipe-{stage}"]), stage
     assert "MMPIPE_API_TOKEN" in secret_env_of(deployments["mmpipe-api"])
 
@@ -365,14 +365,14 @@ def test_the_keda_command_prints_the_manifests_numbers(measured):
 
     from mmpipe.cli import app
 
-    result = CliRunner().invoke(app, ["keda", "--bench", str(BENCH_RESULT)], env={"COLUMNS": "250", "MMPIPE_PARTITIONS": "12"})
+    result = CliRunner().invoke(app, ["keda", "--bench", str(BENCH_RESULT), "--json"], env={"MMPIPE_PARTITIONS": "12"})
     assert result.exit_code == 0, result.output
-    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[1:]] for line in result.output.splitlines()
-            if line.count("│") > 5 and line.split("│")[1].strip() in STAGE_NAMES}
+    rows = {row["stage"]: row for row in json.loads(result.output)["stages"]}
+    assert set(rows) == set(STAGE_NAMES)
     for name, scaled in base("ScaledObject").items():
         stage = name.removeprefix("mmpipe-")
-        assert rows[stage][4] == scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"], rows[stage]
-        assert rows[stage][6] == str(scaled["spec"]["maxReplicaCount"])
+        assert str(rows[stage]["lag_threshold"]) == scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"], rows[stage]
+        assert rows[stage]["max_replicas"] == scaled["spec"]["maxReplicaCount"]
 
 
 # --- Prometheus and Grafana -----------------------------------------------------------------------
@@ -502,6 +502,10 @@ def as_promql(expr: str) -> str:
     return expr.replace("$__rate_interval", "1m").replace("$__interval", "1m")
 
 
+def panel_metrics(panel: dict[str, Any]) -> set[str]:
+    return {s.name for target in panel["targets"] for s in selectors(as_promql(target["expr"]))}
+
+
 def test_every_dashboard_expression_parses_and_names_exported_metrics():
     exprs = dashboard_exprs()
     assert len(exprs) >= 15
@@ -517,14 +521,16 @@ def test_dashboard_order_and_coverage():
     panels = [p for p in dashboard()["panels"] if p["type"] != "row"]
     first = panels[0]
     assert "by stage" in first["title"]
-    first_metrics = {s.name for t in first["targets"] for s in selectors(as_promql(t["expr"]))}
-    assert {"mm_queue_wait_seconds_sum", "mm_service_seconds_sum"} <= first_metrics, "the latency breakdown comes first"
+    assert {"mm_queue_wait_seconds_sum", "mm_service_seconds_sum"} <= panel_metrics(first), "the latency breakdown comes first"
     used = {s.name for _, expr in dashboard_exprs() for s in selectors(as_promql(expr))}
     for needed in ("group:mm_consumer_lag:sum", "mm_consumer_lag", "mm_batch_size_bucket", "mm_errors_total",
                    "mm_retries_total", "mm_expired_total", "mm_dead_letters_total", "mm_gpu_memory_bytes",
                    "mm:end_to_end_seconds:p99", "stage:mm_stage_ready:sum"):
         assert needed in used, f"no panel reads {needed}"
     assert any("partition" in expr for _, expr in dashboard_exprs()), "lag per partition"
+    kv_cache = {"mm_kv_reserved_bytes", "mm_kv_budget_bytes", "mm_active_sequences"}
+    assert any(kv_cache <= panel_metrics(p) for p in panels), \
+        "one panel shows the KV cache reserved against its budget, beside the running sequences"
     assert {p["datasource"]["uid"] for p in panels} == {"${datasource}"}
 
 

@@ -28,8 +28,10 @@ import pytest
 from mmpipe.client import make_event
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.broker import free_port, free_port_block
+from mmpipe.streams.topology import STAGE_NAMES
 from mmpipe.supervisor import supervisor_metrics_port
 from tests.helpers import publish, wait_for_results
+from tests.system_tools import missing_tool, tool_expected
 
 MMPIPE = [sys.executable, "-m", "mmpipe.cli"]
 pytestmark = pytest.mark.slow
@@ -151,8 +153,35 @@ def tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed (./dev installs it)")
-def test_top_shows_the_pipeline_on_screen(up: UpProcess) -> None:
+TMUX_PACKAGE = Path("/var/lib/dpkg/info/tmux.list")  # dpkg's record of the installed package
+
+
+def require_tmux() -> None:
+    """The screen test needs tmux: without it a failure where tmux is expected, else a skip."""
+    if shutil.which("tmux") is None:
+        expected = tool_expected("MMPIPE_REQUIRE_TMUX", package_installed=TMUX_PACKAGE.exists())
+        missing_tool("tmux", "tmux not installed (apt package `tmux`; ./dev installs it)", expected)
+
+
+@pytest.fixture(scope="module")
+def tmux_installed() -> None:
+    # Module scope, asked for before `up`: a missing tmux is reported before a pipeline starts.
+    require_tmux()
+
+
+def test_tmux_missing_fails_where_expected(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt package `tmux`"):
+        require_tmux()
+    monkeypatch.delenv("CI")
+    monkeypatch.delenv("MMPIPE_REQUIRE_TMUX", raising=False)
+    monkeypatch.setattr(f"{__name__}.TMUX_PACKAGE", tmp_path / "not-installed")
+    with pytest.raises(pytest.skip.Exception, match="apt package `tmux`"):
+        require_tmux()
+
+
+def test_top_shows_the_pipeline_on_screen(tmux_installed: None, up: UpProcess) -> None:
     settings = settings_of(up)
     jobs = [make_event("text", text=f"top test {i}", job_id=f"top-{uuid.uuid4().hex[:8]}") for i in range(6)]
     publish(settings, jobs)
@@ -174,7 +203,7 @@ def test_top_shows_the_pipeline_on_screen(up: UpProcess) -> None:
         tmux("resize-window", "-t", session, "-x", "60", "-y", "60")
         narrow = _screen_when(session, lambda s: "rst 1" in s)  # stacked: "column value" under each stage
         assert all(len(line) <= 60 for line in narrow.splitlines())
-        assert all(stage in narrow for stage in ("decode", "preprocess", "inference", "sink"))
+        assert all(stage in narrow for stage in STAGE_NAMES)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
 
@@ -211,7 +240,7 @@ def test_scripts_get_json(up: UpProcess) -> None:
     shown = run_cli(up, "results", job.job_id, "--json")
     assert shown["job"]["state"] == "done" and shown["result"]["status"] == "ok"
     lag = run_cli(up, "lag", "--window", "1", "--json", "--metrics-base-port", str(up.base_port))
-    assert [h["stage"] for h in lag["hints"]] == ["decode", "preprocess", "inference", "sink"]
+    assert [h["stage"] for h in lag["hints"]] == list(STAGE_NAMES)
     assert all(h["members"] == 1 for h in lag["hints"]) and lag["endpoints_answered"] == 4
     frame = run_cli(up, "top", "--json", "--interval", "1", "--metrics-base-port", str(up.base_port))
     assert frame["supervisor_reached"] and {v["stage"]: v["restarts"] for v in frame["stages"]}["inference"] == 1

@@ -9,7 +9,11 @@ import json
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from mmpipe import demo
+from mmpipe.cli import app
+from mmpipe.client import make_event
 from mmpipe.report import (
     END_BEHIND_COMMIT_NOTE,
     fitted,
@@ -79,6 +83,20 @@ def test_json_is_plain_json() -> None:
     assert decoded["result"]["timings"]["end_to_end_ms"] == 1448
     assert decoded["rows"][0] == {"group": "mm-decode", "topic": "mm.events", "partition": 0, "end_offset": 5,
                                   "committed": 7}
+
+
+def test_demo_json_gives_stdout_to_the_results_alone(monkeypatch) -> None:
+    events = [make_event("audio", uri="/media/a.wav", job_id=RESULT.job_id), make_event("text", text="t", job_id="lost")]
+
+    def run_demo(settings, jobs, timeout_s, console):  # the pipeline's part, done
+        console.print("pipeline up on 127.0.0.1:1")
+        return demo.DemoRun(events, {RESULT.job_id: RESULT}, timeout_s)
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    result = CliRunner().invoke(app, ["demo", "--json", "--jobs", "2"])
+    assert result.exit_code == 1, "a job without a result fails the demo"
+    assert [json.loads(line)["job_id"] for line in result.stdout.splitlines()] == [RESULT.job_id]
+    assert "pipeline up" in result.stderr and "no result within 300s for: lost" in result.stderr
 
 
 def histogram_page(values: list[float], **labels: str) -> str:
