@@ -44,6 +44,15 @@ def assert_exactly_once(report) -> None:
     assert report.topic_jobs == report.jobs + report.bad_inputs
 
 
+def assert_multi_part_jobs_covered(report) -> None:
+    """The workload's multi-part jobs came back whole: each video as 3 parts (2 frames + its
+    audio track), each long spoken clip as 2 (two Whisper windows)."""
+    assert report.workload.get("video", 0) > 0 and report.workload.get("long_audio", 0) > 0, report.workload
+    assert report.statuses_by_kind["long_audio"] == {"ok": report.workload["long_audio"]}, report.statuses_by_kind
+    assert report.parts.get("3", 0) == report.workload["video"], report.parts
+    assert report.parts.get("2", 0) == report.workload["long_audio"], report.parts
+
+
 def test_sigkill_of_every_stage_mid_run_loses_and_doubles_nothing(broker, tmp_path, media_dir):
     pipeline = fault_pipeline(broker, tmp_path, media_dir)
     pipeline.start()
@@ -55,6 +64,7 @@ def test_sigkill_of_every_stage_mid_run_loses_and_doubles_nothing(broker, tmp_pa
     assert report.kills == ["decode-0", "preprocess-0", "inference-0", "sink-0"]
     assert_exactly_once(report)
     assert report.statuses == {"ok": report.jobs}
+    assert_multi_part_jobs_covered(report)
     assert set(report.bad_input_reasons) == {"malformed_json", "undecodable_media", "unknown_model",
                                              "uri_outside_input_roots"}
 
@@ -75,6 +85,7 @@ def test_consumers_joining_and_leaving_mid_run_lose_and_double_nothing(broker, t
     assert report.rebalances == ["+inference-1", "+decode-1", "-inference-1", "-decode-1"]
     assert_exactly_once(report)
     assert report.statuses == {"ok": report.jobs}
+    assert_multi_part_jobs_covered(report)
 
 
 def test_locked_database_delays_results_but_loses_none(broker, tmp_path, media_dir):
@@ -106,6 +117,7 @@ def test_locked_database_delays_results_but_loses_none(broker, tmp_path, media_d
     assert first == last < report.jobs  # no result was written while the store was locked
     assert_exactly_once(report)
     assert report.statuses == {"ok": report.jobs}
+    assert_multi_part_jobs_covered(report)
     store = open_store(pipeline.settings.store_url)
     assert store.dead_letters() == []  # waiting for the store is not a reason to fail a job
 
@@ -195,3 +207,4 @@ def test_crashes_at_named_points_lose_and_double_nothing(broker, tmp_path, media
     assert sorted(report.kills) == ["inference-0@fault-point", "sink-0@fault-point", "sink-0@fault-point"]
     assert_exactly_once(report)
     assert report.statuses == {"ok": report.jobs}
+    assert_multi_part_jobs_covered(report)

@@ -1,7 +1,7 @@
 """Fault runs: real stage processes killed with SIGKILL mid-run, consumers added and removed,
 the store locked; then every job's result is counted in the store and on the results topic.
 
-Used by the fault tests (small N) and by `mmpipe chaos` (N >= 2,000) for the README's report.
+Used by the fault tests (small N) and by `mmpipe chaos` (10,000 jobs for the README's report).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 from mmpipe.stages.decode import samples
@@ -43,6 +44,9 @@ class ChaosReport:
     fault_points_fired: list[str] = field(default_factory=list)  # named crash points (streams/faults.py)
     missing_on_topic: list[str] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
+    workload: dict[str, int] = field(default_factory=dict)  # good jobs per workload kind (WORKLOAD_KINDS)
+    statuses_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    parts: dict[str, int] = field(default_factory=dict)  # stored good results by their part count
     bad_input_reasons: dict[str, int] = field(default_factory=dict)
     duration_s: float = 0.0
 
@@ -54,28 +58,83 @@ class ChaosReport:
     def duplicated(self) -> int:
         return len(self.jobs_with_conflicting_results)
 
+    def as_dict(self) -> dict:
+        return {**asdict(self), "lost": self.lost, "duplicated": self.duplicated}
+
+    def checks(self) -> dict[str, bool]:
+        """The fault run's claims, each checked (what tests/test_faults.py asserts)."""
+        return {
+            "nothing_lost": self.lost == 0,
+            "nothing_duplicated": self.duplicated == 0,
+            "topic_equals_store": not self.topic_differs_from_store,
+            "no_conflicts": self.conflicts == 0,
+            "one_row_per_job": self.stored_results == self.jobs + self.bad_inputs,
+            "every_good_job_ok": self.statuses == {"ok": self.jobs},
+        }
+
     def to_json(self) -> bytes:
-        return orjson.dumps({**asdict(self), "lost": self.lost, "duplicated": self.duplicated},
-                            option=orjson.OPT_INDENT_2)
+        return orjson.dumps(self.as_dict(), option=orjson.OPT_INDENT_2)
+
+
+# The mix, one slot per job: i % 5 picks the kind, and every LONG_AUDIO_EVERY-th job (at
+# offset LONG_AUDIO_AT, so even a 40-job CI run has one) is a multi-window spoken clip instead.
+MIX = ("text", "image", "video", "text", "audio")
+LONG_AUDIO_EVERY = 100
+LONG_AUDIO_AT = 14  # a short-audio slot (14 % 5 == 4)
+WORKLOAD_KINDS = {
+    "text": "a sentence (1 part)",
+    "image": "inline 96x72 PNG (1 part)",
+    "audio": "inline 0.5 s WAV tone (1 part, Whisper's VAD finds no speech: answered without decoding)",
+    "video": "inline 2 s 96x72 MP4 at 10 fps with a tone track (3 parts: 2 sampled frames + 1 audio window)",
+    "long_audio": "inline 34.4 s FLAC, a spoken sentence in each 30 s window (2 parts, both transcribed by Whisper)",
+}
+
+
+def workload_kind(i: int) -> str:
+    return "long_audio" if i % LONG_AUDIO_EVERY == LONG_AUDIO_AT else MIX[i % len(MIX)]
+
+
+def long_speech_clip(rate: int = 16_000) -> bytes:
+    """A spoken clip a little over 30 s that the decode stage cuts into two Whisper windows, a
+    sentence in each (as in tests/test_transcribe_e2e.py): FLAC, ~100 KB, the silence is free.
+    Needs espeak-ng (./dev installs it)."""
+    first = samples.speech_pcm("Good morning everyone, the meeting starts now.", rate=rate, lead_s=1.0, tail_s=0.0)
+    second = samples.speech_pcm("Please close the door when you leave.", rate=rate, lead_s=0.0, tail_s=1.0)
+    gap = np.zeros(31 * rate - first.size, dtype=np.float32)  # the second sentence starts at 31 s
+    return samples.encode_audio(np.concatenate([first, gap, second]), rate=rate, fmt="flac")
 
 
 def workload(jobs: int, seed: int = 0) -> list[MediaEvent]:
     """A mix of small real inputs: texts, inline PNG images, inline WAV snippets, and
     multi-part jobs beside them: 2 s videos (two sampled frames and an audio track: three
-    parts, assembled from three inference answers)."""
+    parts, assembled from three inference answers) and, one job in LONG_AUDIO_EVERY, a 34 s
+    spoken clip (two 30 s windows, each transcribed by Whisper: two parts). Each event's
+    attributes["chaos_kind"] names its kind (see WORKLOAD_KINDS)."""
     image = samples.encode_image(samples.synthetic_picture(96, 72, seed=seed))
     audio = samples.encode_audio(samples.tone_pcm(0.5))
     video = samples.encode_video(seconds=2.0, width=96, height=72, fps=10, audio=samples.tone_pcm(2.0), seed=seed)
-    payloads = {"image": {"data": image}, "audio": {"data": audio}, "video": {"data": video}}
+    payloads = {"image": ("image", image), "audio": ("audio", audio), "video": ("video", video)}
+    if any(workload_kind(i) == "long_audio" for i in range(jobs)):
+        payloads["long_audio"] = ("audio", long_speech_clip())
     events = []
     for i in range(jobs):
-        kind = ("text", "image", "video", "text", "audio")[i % 5]
+        kind = workload_kind(i)
         job_id = f"chaos-{seed}-{i:06d}"
+        attributes = {"chaos_kind": kind}
         if kind == "text":
-            events.append(make_event("text", text=f"fault run sentence number {i}", job_id=job_id))
+            events.append(make_event("text", text=f"fault run sentence number {i}", job_id=job_id, attributes=attributes))
         else:
-            events.append(make_event(kind, job_id=job_id, **payloads[kind]))
+            modality, data = payloads[kind]
+            events.append(make_event(modality, data=data, job_id=job_id, attributes=attributes))
     return events
+
+
+def chaos_settings(base: Settings) -> Settings:
+    """What a fault run changes: no job may end other than by being processed. Jobs wait in
+    Kafka instead of being rejected by admission control (`defer`), and none expires: the
+    events are made before the run, and at 10,000 jobs the last ones wait in the backlog
+    longer than the default 300 s deadline (each would end `expired`, the cheap path)."""
+    return base.model_copy(update=dict(admission_policy="defer", default_deadline_s=7 * 24 * 3600.0))
 
 
 def bad_workload(count: int) -> list[tuple[bytes, bytes]]:
@@ -183,6 +242,14 @@ class ChaosRun:
         bad_ids = [key.decode() for key, _ in self.bad]
         self.report.missing = [j for j in good_ids + bad_ids if j not in results]
         self.report.statuses = dict(Counter(results[j].status for j in good_ids if j in results))
+        kinds = {e.job_id: e.attributes.get("chaos_kind", e.modality) for e in self.events}
+        self.report.workload = dict(Counter(kinds.values()))
+        by_kind: dict[str, Counter] = {}
+        for j in good_ids:
+            if j in results:
+                by_kind.setdefault(kinds[j], Counter())[results[j].status] += 1
+        self.report.statuses_by_kind = {kind: dict(counts) for kind, counts in sorted(by_kind.items())}
+        self.report.parts = {str(n): c for n, c in sorted(Counter(results[j].parts for j in good_ids if j in results).items())}
         self.report.bad_input_reasons = dict(Counter(
             (results[j].error or {}).get("code", results[j].status) for j in bad_ids if j in results
         ))
@@ -210,15 +277,17 @@ def kill_every_stage_plan(run: ChaosRun) -> list[tuple[float, Callable[[], None]
 
 
 def run_chaos(settings: Settings, workdir: Path, jobs: int, bad: int, rate: float,
-              embedded_broker: bool = True) -> ChaosReport:
+              embedded_broker: bool = True, seed: int = 0) -> ChaosReport:
     """The README's fault run: kill every stage in turn, then scale inference out and back in
-    (and crash once at each named point in settings.fault_points, armed anew for this run)."""
+    (and crash once at each named point in settings.fault_points, armed anew for this run).
+    Runs under chaos_settings(settings): nothing rejected by admission, nothing expired."""
+    settings = chaos_settings(settings)
     for marker in settings.state_path("faults").glob("*.fired"):
         marker.unlink()
     pipeline = Pipeline(settings, workdir=workdir, embedded_broker=embedded_broker)
     pipeline.start()
     try:
-        run = ChaosRun(pipeline, workload(jobs), bad_workload(bad), rate)
+        run = ChaosRun(pipeline, workload(jobs, seed=seed), bad_workload(bad), rate)
         plan = kill_every_stage_plan(run)
         plan = [(f * 0.8, action) for f, action in plan]
         plan += [(0.82, lambda: run.add_consumer("inference", 1)), (0.9, lambda: run.remove_consumer("inference", 1))]

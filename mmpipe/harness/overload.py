@@ -40,8 +40,20 @@ class OverloadReport:
     memory_budget_mb: float = 0.0
     recovered_s: float | None = None  # seconds from the end of arrivals to zero lag everywhere
 
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def checks(self) -> dict[str, bool]:
+        """The overload contract, each part checked (what `mmpipe overload` exits on)."""
+        return {
+            "admitted_p99_within_deadline": self.admitted > 0 and self.admitted_p99_ms <= self.deadline_s * 1000,
+            "rss_within_budget": all(mb <= self.memory_budget_mb for mb in self.peak_rss_mb.values()),
+            "lag_back_to_zero": self.recovered_s is not None,
+            "every_job_answered": sum(self.statuses.values()) == self.published,
+        }
+
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2)
+        return orjson.dumps(self.as_dict(), option=orjson.OPT_INDENT_2)
 
 
 def overload_settings(base: Settings, service_ms: float) -> Settings:
