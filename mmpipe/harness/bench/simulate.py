@@ -22,6 +22,7 @@ import numpy as np
 from mmpipe.schemas.events import WorkerState
 from mmpipe.schemas.settings import SchedulingSettings
 from mmpipe.streams.routing import Router
+from mmpipe.streams.worker_state import ServiceClock
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,7 @@ def _one_server(arrivals: np.ndarray, policy: SimPolicy, service_ms: Callable[[i
     limit = 1 if policy.mode == "off" else policy.max_batch
     while i < n:
         fill_at = arrivals[i + limit - 1] if i + limit - 1 < n else np.inf
-        if policy.mode == "off":
-            due = arrivals[i]
-        elif policy.mode == "dynamic":
-            due = min(fill_at, arrivals[i] + policy.max_wait_s)
-        else:
-            due = min(fill_at, arrivals[i] + policy.static_timeout_s)
-        start = max(free_at, due)
+        start = max(free_at, _due(policy, arrivals[i], fill_at))
         size = int(np.searchsorted(arrivals[i : i + limit], start, side="right"))
         finish = start + service_ms(size) / 1000.0
         sojourn[i : i + size] = finish - arrivals[i : i + size]
@@ -109,6 +104,16 @@ def _one_server(arrivals: np.ndarray, policy: SimPolicy, service_ms: Callable[[i
         i += size
         batches += 1
     return sojourn, free_at, batches
+
+
+def _due(policy: SimPolicy, head: float, fill_at: float) -> float:
+    """When the batch whose oldest item arrived at `head` flushes (the model thread free):
+    at once (off); when full or when the oldest has waited max_wait (dynamic) or the static
+    timeout (static)."""
+    if policy.mode == "off":
+        return head
+    timeout = policy.max_wait_s if policy.mode == "dynamic" else policy.static_timeout_s
+    return min(fill_at, head + timeout)
 
 
 def saturation(policy: SimPolicy, service_ms: Callable[[int], float], items: int = 2000) -> float:
@@ -129,10 +134,9 @@ def load_curve(
     return points
 
 
-
 # Lag-aware routing ---------------------------------------------------------------------------------
 # The same batchers, each arrival placed by the real Router (streams/routing.py) from the reports
-# the simulated workers publish every report_every_s (their backlog and measured seconds per
+# the simulated workers publish every worker_state_interval_s (their backlog and measured seconds per
 # item, as stages/inference.py reports them), delivered report_delay_s later. Replicas share no
 # CPU here (an accelerator each), so the placement policy alone decides the difference.
 
@@ -147,16 +151,14 @@ class _Replica:
         self.queue: list[tuple[float, int]] = []  # (arrival at the worker, item index), in order
         self.running: list[tuple[float, int]] = []  # (finish, size) of started batches
         self.free_at = 0.0
-        self.item_s: float | None = None  # an EWMA, like ServiceClock.item_done
+        self.clock = ServiceClock()  # seconds per item, measured as the inference stage measures it
         self.batches = 0
 
     def advance(self, now: float, finish: np.ndarray) -> None:
         while self.queue:
             head = self.queue[0][0]
             fill_at = self.queue[self.limit - 1][0] if len(self.queue) >= self.limit else np.inf
-            timeout = self.policy.max_wait_s if self.policy.mode == "dynamic" else self.policy.static_timeout_s
-            due = head if self.policy.mode == "off" else min(fill_at, head + timeout)
-            start = max(self.free_at, due)
+            start = max(self.free_at, _due(self.policy, head, fill_at))
             if start > now:
                 return  # later arrivals may still join this batch
             batch = [item for item in self.queue[: self.limit] if item[0] <= start]
@@ -165,8 +167,7 @@ class _Replica:
             self.free_at = start + seconds
             finish[[index for _, index in batch]] = self.free_at
             self.running.append((self.free_at, len(batch)))
-            sample = seconds / len(batch)
-            self.item_s = sample if self.item_s is None else self.item_s + 0.2 * (sample - self.item_s)
+            self.clock.item_done(seconds, len(batch))
             self.batches += 1
 
     def report(self, now: float, epoch: float) -> WorkerState:
@@ -174,7 +175,7 @@ class _Replica:
         self.running = [(end, size) for end, size in self.running if end > now]
         backlog = len(self.queue) + sum(size for _, size in self.running)
         return WorkerState(worker=self.name, partitions=self.partitions, ready=True, models=[SIM_MODEL],
-                           item_s=self.item_s, waits_s={}, at=epoch + now, backlog=backlog)
+                           item_s=self.clock.item_s, waits_s={}, at=epoch + now, backlog=backlog)
 
 
 SIM_MODEL = "model"
