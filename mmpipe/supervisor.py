@@ -35,6 +35,9 @@ def supervisor_metrics_port(base: int) -> int:
     return base + PORTS_PER_STAGE * len(PIPELINE)
 
 
+METRICS_PORT_SPAN = PORTS_PER_STAGE * (len(PIPELINE) + 1)  # every stage's slot and `up`'s own
+
+
 @dataclass
 class StageProcess:
     stage: str

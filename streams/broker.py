@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,12 +35,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_port_block(span: int, host: str = "127.0.0.1") -> int:
-    """A base port whose next `span` ports are all free (a metrics port layout such as up's)."""
-    for _ in range(50):
-        base = free_port(host)
-        if base + span < 65535 and all(_port_free(base + i, host) for i in range(span)):
+    """A base port whose next `span` ports are all free (a metrics port layout such as up's).
+
+    Drawn below the kernel's ephemeral range: a block inside it can be taken between this
+    check and the servers' bind by any outgoing connection (a Kafka client's, say)."""
+    low, _high = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10_000, max(10_001, low - span))
+        if all(_port_free(base + i, host) for i in range(span)):
             return base
-    raise RuntimeError(f"no block of {span} free ports on {host}")
+    raise RuntimeError(f"no block of {span} free ports on {host} below {low}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _port_free(port: int, host: str) -> bool:

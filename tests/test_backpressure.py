@@ -5,7 +5,6 @@ gets its result."""
 
 from __future__ import annotations
 
-import random
 import time
 import urllib.request
 
@@ -16,7 +15,8 @@ from mmpipe.client import make_event
 from mmpipe.schemas.settings import BatchingSettings
 from mmpipe.stages.sink.store import count_results
 from mmpipe.streams.topology import STAGE_NAMES, metrics_port
-from mmpipe.supervisor import Pipeline
+from mmpipe.streams.broker import free_port_block
+from mmpipe.supervisor import METRICS_PORT_SPAN, Pipeline
 from tests.conftest import make_settings
 from tests.helpers import publish, wait_for_results
 
@@ -52,7 +52,7 @@ def slow_pipeline(broker, tmp_path_factory, media_dir):
         stream_buffer_maxsize=STREAM_BUFFER, max_poll_records=STREAM_BUFFER,
         models=["all-minilm-l6-v2"],
     )
-    base = random.randrange(20_000, 60_000, 100)
+    base = free_port_block(METRICS_PORT_SPAN)
     pipeline = Pipeline(settings, workdir=workdir, embedded_broker=False, metrics_base_port=base,
                         replica_overrides={("inference", 0): {"inject_execute_delay_ms": 120}})
     pipeline.start()

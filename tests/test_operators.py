@@ -29,7 +29,7 @@ from mmpipe.client import make_event
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.broker import free_port, free_port_block
 from mmpipe.streams.topology import STAGE_NAMES
-from mmpipe.supervisor import supervisor_metrics_port
+from mmpipe.supervisor import METRICS_PORT_SPAN, supervisor_metrics_port
 from tests.helpers import publish, wait_for_results
 from tests.system_tools import missing_tool, tool_expected
 
@@ -116,7 +116,7 @@ def up_env(state_dir: Path, bootstrap: str, **extra: str) -> dict[str, str]:
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     state_dir = tmp_path_factory.mktemp(f"up-{uuid.uuid4().hex[:6]}")
     env = up_env(state_dir, f"127.0.0.1:{free_port()}")  # random weights: up's default, as the demo's
-    running = UpProcess(state_dir, env, free_port_block(50))
+    running = UpProcess(state_dir, env, free_port_block(METRICS_PORT_SPAN))
     try:
         running.next_event(240, event="up")
         yield running
@@ -256,7 +256,7 @@ def test_sigkill_of_up_leaves_no_process(up: UpProcess) -> None:
 
 def test_a_failed_start_says_why_and_stops_everything(tmp_path: Path) -> None:
     env = up_env(tmp_path, f"127.0.0.1:{free_port()}", MMPIPE_ALLOW_RANDOM_WEIGHTS="0")
-    done = subprocess.run([*MMPIPE, "up", "--metrics-base-port", str(free_port_block(50))], env=env, cwd=tmp_path,
+    done = subprocess.run([*MMPIPE, "up", "--metrics-base-port", str(free_port_block(METRICS_PORT_SPAN))], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()

@@ -5,7 +5,6 @@ decisions, flips and expected waits beside the waits the workers measured."""
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -13,7 +12,8 @@ import pytest
 from mmpipe.client import make_event
 from mmpipe.schemas.settings import BatchingSettings, SchedulingSettings
 from mmpipe.streams.topology import metrics_port
-from mmpipe.supervisor import Pipeline
+from mmpipe.streams.broker import free_port_block
+from mmpipe.supervisor import METRICS_PORT_SPAN, Pipeline
 from tests.conftest import make_settings
 from tests.helpers import publish, wait_for_results
 from tests.test_backpressure import metric, scrape
@@ -30,7 +30,7 @@ def test_routing_sends_work_around_a_slow_replica_and_loses_nothing(broker, tmp_
         default_batching=BatchingSettings(max_batch_size=8, max_wait_ms=5), lag_interval_s=0.25,
         scheduling=SchedulingSettings(routing=True, route_sticky_s=0.3, worker_state_interval_s=0.25),
     )
-    base = random.randrange(20_000, 60_000, 100)
+    base = free_port_block(METRICS_PORT_SPAN)
     pipeline = Pipeline(settings, workdir=tmp_path, embedded_broker=False, metrics_base_port=base,
                         replicas={"inference": 2},
                         replica_overrides={("inference", 1): {"inject_execute_delay_ms": SLOW_MS}})

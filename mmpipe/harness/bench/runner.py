@@ -38,6 +38,7 @@ from mmpipe.schemas.settings import Settings, load_settings
 from mmpipe.models.registry import DEFAULTS, resolve
 from mmpipe.models.torch_util import resolve_device
 from mmpipe.streams.broker import free_port_block
+from mmpipe.supervisor import METRICS_PORT_SPAN
 
 # Pipeline settings that shape the figures, reported with them.
 REPORTED_SETTINGS = {
@@ -199,7 +200,7 @@ class Runner:
         workdir = (cfg.out_dir / "run").resolve()
         shutil.rmtree(workdir, ignore_errors=True)
         settings = self.pipeline_settings(workdir)
-        base_port = free_port_block(40)
+        base_port = free_port_block(METRICS_PORT_SPAN)
         self.bench = BenchPipeline(settings, workdir, self.curve.model, cfg.replicas(), self.sampler, base_port)
         with self.console.status("starting the embedded broker and the stage processes..."):
             started = time.monotonic()
