@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, SecretStr, field_serializer, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from mmpipe.schemas.events import HIGH_PRIORITY, PRIORITY_LEVELS
+
 BatchMode = Literal["dynamic", "static", "off"]
 
 
@@ -27,6 +29,10 @@ class BatchingSettings(BaseModel):
     static_timeout_ms: float = Field(1000.0, ge=0.0)
     # Bound of items waiting in the batcher (admission control inside the stage).
     max_queue: int = Field(256, ge=1)
+    # Items of this priority or higher (0 = highest) skip the wait for a fuller batch: when the
+    # model is free they run at once, in a batch of their own level (a small batch executes
+    # sooner). Lower levels lose a little throughput to it; None batches every level alike.
+    expedite_priority: int | None = Field(HIGH_PRIORITY, ge=0, le=PRIORITY_LEVELS - 1)
 
 
 class SchedulingSettings(BaseModel):

@@ -14,7 +14,10 @@ timeout action is run_late (then they run when their turn comes and the caller m
 late). Items carry a priority: within a bucket the best-ranked items (streams/priority.py:
 highest priority first, aged so low priorities are overtaken only for a bounded time) form the
 batch, and when several buckets are due, the one whose best item ranks first goes first; with
-equal priorities that is the oldest item, so a rare shape is not starved.
+equal priorities that is the oldest item, so a rare shape is not starved. A bucket whose best
+item is at expedite_priority or higher is due at once ("expedite"), and its batch takes only the
+leading items of such levels: urgent work neither waits to fill a batch nor pays for a big one.
+Ranks still decide who leads, so the starvation bound is the same.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class BatchPolicy:
     mode: str = "dynamic"
     static_timeout_s: float = 1.0
     aging_s: float = 1.0  # priority levels: see streams/priority.py
+    expedite_priority: int | None = None  # this level and higher run at once, in batches of their own
     buckets: dict[Hashable, list[Entry]] = field(default_factory=dict)
     size: int = 0
     _seq: Iterator[int] = field(default_factory=itertools.count, repr=False)
@@ -87,7 +91,8 @@ class BatchPolicy:
     @classmethod
     def from_settings(cls, s: BatchingSettings, model_limit: int, aging_s: float = 1.0) -> BatchPolicy:
         max_batch = 1 if s.mode == "off" else min(s.max_batch_size, model_limit)
-        return cls(max_batch, s.max_wait_ms / 1000.0, s.mode, s.static_timeout_ms / 1000.0, aging_s)
+        return cls(max_batch, s.max_wait_ms / 1000.0, s.mode, s.static_timeout_ms / 1000.0, aging_s,
+                   s.expedite_priority)
 
     def add(self, item: Pending) -> None:
         entry = (rank(item.priority, item.arrived, self.aging_s), next(self._seq), item)
@@ -119,7 +124,9 @@ class BatchPolicy:
             return None
         *_, key, trigger = min(due, key=lambda d: (d[0], d[1]))
         heap = self.buckets[key]
-        batch = [heapq.heappop(heap)[2] for _ in range(min(self.max_batch_size, len(heap)))]
+        batch = [heapq.heappop(heap)[2]]
+        while heap and len(batch) < self.max_batch_size and (trigger != "expedite" or self._urgent(heap[0][2])):
+            batch.append(heapq.heappop(heap)[2])
         self._set(key, heap)
         self.size -= len(batch)
         return batch, trigger
@@ -129,6 +136,8 @@ class BatchPolicy:
         times = []
         for heap in self.buckets.values():
             oldest = _oldest(heap)
+            if self._urgent(heap[0][2]):
+                times.append(heap[0][2].arrived)
             if self.mode == "dynamic":
                 times.append(oldest + self.max_wait_s)
             elif self.mode == "static":
@@ -136,7 +145,12 @@ class BatchPolicy:
             times.extend(e[2].deadline for e in heap if e[2].expires)
         return min(times) if times else None
 
+    def _urgent(self, item: Pending) -> bool:
+        return self.expedite_priority is not None and item.priority <= self.expedite_priority
+
     def _trigger(self, heap: list[Entry], now: float) -> str | None:
+        if self.mode != "off" and self._urgent(heap[0][2]):
+            return "expedite"
         if self.mode == "off" or len(heap) >= self.max_batch_size:
             return "full"
         # Same expressions as wake_at(), so a wake-up at that instant always finds it due.

@@ -240,6 +240,11 @@ def test_priority_figures_and_starvation_check_from_the_traces():
     assert starvation["measured"] == 1 and starvation["status"] == "MISS" and "L4" in starvation["detail"]
     assert "Not checked" in starvation["detail"]
     assert targets._priorities({"runs": []}) == []
+    # Two runs on one schedule: the expedited one is judged, the other reported beside it.
+    baseline = {**run, "label": "dyn no-expedite", "expedite": False, "priority": {**fig, "high_over_low_p99": 0.9}}
+    ratio, _ = targets._priorities({"runs": [baseline, {**run, "expedite": True}]})
+    assert ratio["measured"] == pytest.approx(fig["high_over_low_p99"], abs=1e-3)
+    assert "(dyn no-expedite): 0.900" in ratio["detail"]
     out = io.StringIO()
     Console(file=out, width=200).print(report.priority_table(run))
     assert "p0: 3, 2.40/2 s p2: 1, 0.20/0 s" in out.getvalue()

@@ -112,6 +112,42 @@ def test_aging_lets_a_low_priority_item_overtake_high_priority_work_that_came_mu
     assert order == ["high-soon", "low-old", "high-late"]
 
 
+def test_an_expedited_item_runs_at_once_in_a_batch_of_its_own_level():
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.010, aging_s=1.0, expedite_priority=0)
+    policy.add(item("low-1", 0.000, priority=2))
+    policy.add(item("low-2", 0.001, priority=2))
+    assert policy.wake_at() == pytest.approx(0.010)
+    policy.add(item("high", 0.002, priority=0))
+    assert policy.wake_at() == pytest.approx(0.002)
+    batch, trigger = policy.next_batch(now=0.002)
+    assert names(batch) == ["high"] and trigger == "expedite"  # no wait for a fuller batch, no low items
+    assert policy.next_batch(now=0.009) is None  # the low items keep their max wait
+    batch, trigger = policy.next_batch(now=0.010)
+    assert names(batch) == ["low-1", "low-2"] and trigger == "max_wait"
+
+
+def test_an_expedited_batch_takes_every_leading_urgent_item_up_to_the_limit():
+    policy = BatchPolicy(max_batch_size=2, max_wait_s=0.010, aging_s=1.0, expedite_priority=1)
+    for name, t, prio in [("low", 0.0, 2), ("high", 0.001, 0), ("normal", 0.002, 1), ("high-2", 0.003, 0)]:
+        policy.add(item(name, t, priority=prio))
+    batch, trigger = policy.next_batch(now=0.003)
+    assert names(batch) == ["high", "high-2"] and trigger == "expedite"
+    batch, trigger = policy.next_batch(now=0.003)
+    assert names(batch) == ["normal"] and trigger == "expedite"
+    assert policy.next_batch(now=0.003) is None
+
+
+def test_a_low_priority_item_aged_past_the_urgent_one_leads_and_nothing_is_expedited():
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.010, aging_s=0.1, expedite_priority=0)
+    policy.add(item("low-old", 0.0, priority=2))  # rank 0.2
+    policy.add(item("high-late", 0.3, priority=0))  # rank 0.3: beyond the bound, so it does not lead
+    assert policy.next_batch(now=0.3) is not None  # due by max wait (the low item's), not expedite
+    policy.add(item("low-older", 0.30, priority=2))
+    policy.add(item("high-later", 0.61, priority=0))
+    batch, trigger = policy.next_batch(now=0.61)
+    assert trigger == "max_wait" and names(batch) == ["low-older", "high-later"]
+
+
 arrivals = st.lists(
     st.tuples(st.floats(0, 2), st.integers(0, 2), st.sampled_from(["a", "b"]), st.booleans()),
     min_size=1, max_size=60,
@@ -120,12 +156,12 @@ arrivals = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(arrivals=arrivals, max_batch=st.integers(1, 6), max_wait=st.floats(0.0, 0.05), aging=st.floats(0.01, 1.0),
-       service=st.floats(0.0005, 0.02))
-def test_priorities_lose_nothing_and_hold_the_starvation_bound(arrivals, max_batch, max_wait, aging, service):
+       service=st.floats(0.0005, 0.02), expedite=st.sampled_from([None, 0, 1]))
+def test_priorities_lose_nothing_and_hold_the_starvation_bound(arrivals, max_batch, max_wait, aging, service, expedite):
     """A single-threaded server under a fake clock: every item leaves exactly once (expired only
     if reject and past its deadline), and an item is never overtaken by one that arrived more than
-    (its priority - the other's) x aging after it."""
-    policy = BatchPolicy(max_batch_size=max_batch, max_wait_s=max_wait, aging_s=aging)
+    (its priority - the other's) x aging after it, whether or not urgent levels are expedited."""
+    policy = BatchPolicy(max_batch_size=max_batch, max_wait_s=max_wait, aging_s=aging, expedite_priority=expedite)
     pending = sorted((t, n, prio, key, late) for n, (t, prio, key, late) in enumerate(arrivals))
     served: list[Pending] = []
     expired: list[Pending] = []
@@ -159,6 +195,40 @@ def test_rank_order_is_priority_first_within_the_aging_window(items, aging):
         for t2, p2 in ranked[i + 1:]:
             if t2 < t1:  # overtaken: only by bounded head start
                 assert t1 - t2 <= (p2 - p1) * aging + 1e-9
+
+
+async def test_the_running_batcher_expedites_a_high_priority_item_past_queued_low_ones():
+    """A model busy on a first batch; low items queue behind it, then a high one arrives. When the
+    model frees, the high item runs alone (trigger expedite), the low ones after it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmpipe.schemas.settings import BatchingSettings
+    from mmpipe.streams.batching import DynamicBatcher
+
+    gate, batches = threading.Event(), []
+
+    def predict(batch):
+        if batch == ["first"]:
+            gate.wait(5)
+        batches.append(list(batch))
+        return batch
+
+    batcher = DynamicBatcher("m", predict, bucket_key=lambda _: 0, model_limit=64, executor=ThreadPoolExecutor(1),
+                             settings=BatchingSettings(max_batch_size=8, max_wait_ms=10_000))
+    batcher.start()
+    try:
+        first = asyncio.ensure_future(batcher.submit("first", 1e12, priority=0))
+        await asyncio.sleep(0.05)
+        lows = [asyncio.ensure_future(batcher.submit(f"low-{i}", 1e12, priority=2)) for i in range(3)]
+        high = asyncio.ensure_future(batcher.submit("high", 1e12, priority=0))
+        await asyncio.sleep(0.05)
+        gate.set()
+        (_, info), (_, first_info) = await asyncio.wait_for(high, 5), await first
+        assert info.trigger == first_info.trigger == "expedite" and info.size == 1
+        assert not any(task.done() for task in lows)  # the low items keep their (long) max wait
+    finally:
+        await batcher.stop()
+    assert batches == [["first"], ["high"]]
 
 
 # The priority-ordered thread pool and admission waiters ----------------------------------------

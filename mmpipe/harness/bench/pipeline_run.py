@@ -33,6 +33,7 @@ from mmpipe.streams import affinity
 from mmpipe.streams.topology import metrics_port
 from mmpipe.supervisor import Pipeline, tail
 from mmpipe.schemas import JobResult
+from mmpipe.schemas.events import HIGH_PRIORITY
 
 
 # No new result for this long, with every stage group fully committed: the missing jobs are lost.
@@ -48,9 +49,14 @@ class Policy:
     max_batch: int = 1
     max_wait_ms: float = 0.0
     static_timeout_ms: float = 1000.0
+    expedite: bool = True  # high-priority items run at once in batches of their own (BatchingSettings)
 
     @property
     def label(self) -> str:
+        return self._base_label + ("" if self.expedite else " no-expedite")
+
+    @property
+    def _base_label(self) -> str:
         if self.mode == "off":
             return "off"
         if self.mode == "static":
@@ -63,6 +69,7 @@ class Policy:
             max_batch_size=self.max_batch,
             max_wait_ms=self.max_wait_ms,
             static_timeout_ms=self.static_timeout_ms,
+            expedite_priority=HIGH_PRIORITY if self.expedite else None,
         )
 
     def sim(self) -> SimPolicy:

@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -282,19 +282,25 @@ class Runner:
 
     def priority(self, policy: Policy) -> None:
         """Poisson at priority_load with a seeded share of the jobs at high priority and the rest
-        at priority_rest; per level the latency percentiles, and the starvation check at the
-        batcher from the jobs' traces (stats.priority_stats)."""
+        at priority_rest, twice on the same schedule: high-priority items batched like the rest
+        (no-expedite), then expedited (run at once, in batches of their own level). Per level the
+        latency percentiles, and the starvation check at the batcher from the jobs' traces
+        (stats.priority_stats). The expedited policy stays in force."""
         assert self.bench is not None
         cfg = self.cfg
         rate = self.rate_at(cfg.priority_load)
         schedule = traffic.with_priorities(traffic.poisson(rate, cfg.priority_s, cfg.seed, cfg.modality),
                                            cfg.priority_high_share, cfg.seed, cfg.priority_rest)
-        run = self.execute(schedule, "priority", policy, load=cfg.priority_load, rate=rate)
         aging_s = self.bench.settings.scheduling.aging_s
-        run["priority"] = figures = stats.priority_stats(self.bench.fetch(run["tag"]), aging_s)
-        levels = figures["levels"]
-        self.say("priority levels: " + "; ".join(f"{p}: {v['ok']} ok, p99 {v['e2e_ms']['p99']:.0f} ms" for p, v in levels.items())
-                 + f"; overtaken beyond the starvation bound at the batcher: {figures['starvation']['beyond_bound']}")
+        for variant in (replace(policy, expedite=False), policy):
+            self.use(variant)
+            run = self.execute(schedule, "priority", variant, load=cfg.priority_load, rate=rate)
+            run["expedite"] = variant.expedite
+            run["priority"] = figures = stats.priority_stats(self.bench.fetch(run["tag"]), aging_s)
+            levels = figures["levels"]
+            self.say(f"priority levels ({variant.label}): "
+                     + "; ".join(f"{p}: {v['ok']} ok, p99 {v['e2e_ms']['p99']:.0f} ms" for p, v in levels.items())
+                     + f"; overtaken beyond the starvation bound at the batcher: {figures['starvation']['beyond_bound']}")
 
     def sweep(self) -> None:
         flooded = {self.policies["headline"].max_batch}
