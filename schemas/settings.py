@@ -30,8 +30,9 @@ class BatchingSettings(BaseModel):
     # Bound of items waiting in the batcher (admission control inside the stage).
     max_queue: int = Field(256, ge=1)
     # Items of this priority or higher (0 = highest) skip the wait for a fuller batch: when the
-    # model is free they run at once, in a batch of their own level (a small batch executes
-    # sooner). Lower levels lose a little throughput to it; None batches every level alike.
+    # model is free they run at once, in a batch of their own level unless a full batch is queued
+    # (then that one, urgent items first, so no throughput is lost at saturation). None batches
+    # every level alike.
     expedite_priority: int | None = Field(HIGH_PRIORITY, ge=0, le=PRIORITY_LEVELS - 1)
 
 

@@ -15,9 +15,10 @@ late). Items carry a priority: within a bucket the best-ranked items (streams/pr
 highest priority first, aged so low priorities are overtaken only for a bounded time) form the
 batch, and when several buckets are due, the one whose best item ranks first goes first; with
 equal priorities that is the oldest item, so a rare shape is not starved. A bucket whose best
-item is at expedite_priority or higher is due at once ("expedite"), and its batch takes only the
-leading items of such levels: urgent work neither waits to fill a batch nor pays for a big one.
-Ranks still decide who leads, so the starvation bound is the same.
+item is at expedite_priority or higher is due at once ("expedite"): if it holds a full batch, that
+batch runs, urgent items first (no throughput is lost when the model is the bottleneck); if not,
+only the leading urgent items run, so urgent work neither waits for max_wait nor pays for the
+items that happen to be queued. Ranks still decide who leads, so the starvation bound is the same.
 """
 
 from __future__ import annotations
@@ -149,10 +150,10 @@ class BatchPolicy:
         return self.expedite_priority is not None and item.priority <= self.expedite_priority
 
     def _trigger(self, heap: list[Entry], now: float) -> str | None:
-        if self.mode != "off" and self._urgent(heap[0][2]):
-            return "expedite"
         if self.mode == "off" or len(heap) >= self.max_batch_size:
             return "full"
+        if self._urgent(heap[0][2]):
+            return "expedite"
         # Same expressions as wake_at(), so a wake-up at that instant always finds it due.
         # The wait is the oldest item's, whatever its priority: every item keeps max_wait.
         oldest = _oldest(heap)

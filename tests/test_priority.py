@@ -126,15 +126,24 @@ def test_an_expedited_item_runs_at_once_in_a_batch_of_its_own_level():
     assert names(batch) == ["low-1", "low-2"] and trigger == "max_wait"
 
 
-def test_an_expedited_batch_takes_every_leading_urgent_item_up_to_the_limit():
-    policy = BatchPolicy(max_batch_size=2, max_wait_s=0.010, aging_s=1.0, expedite_priority=1)
-    for name, t, prio in [("low", 0.0, 2), ("high", 0.001, 0), ("normal", 0.002, 1), ("high-2", 0.003, 0)]:
+def test_an_expedited_batch_takes_the_leading_urgent_items_only():
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.010, aging_s=1.0, expedite_priority=1)
+    for name, t, prio in [("low", 0.0, 2), ("high", 0.001, 0), ("normal", 0.002, 1)]:
         policy.add(item(name, t, priority=prio))
-    batch, trigger = policy.next_batch(now=0.003)
-    assert names(batch) == ["high", "high-2"] and trigger == "expedite"
-    batch, trigger = policy.next_batch(now=0.003)
-    assert names(batch) == ["normal"] and trigger == "expedite"
-    assert policy.next_batch(now=0.003) is None
+    batch, trigger = policy.next_batch(now=0.002)
+    assert names(batch) == ["high", "normal"] and trigger == "expedite"
+    assert policy.next_batch(now=0.002) is None  # the low item keeps its max wait
+
+
+def test_a_full_bucket_runs_full_with_urgent_items_first_when_expediting():
+    """At saturation a full batch is queued anyway: running the urgent item alone would cost
+    throughput, so it leads the full batch instead."""
+    policy = BatchPolicy(max_batch_size=2, max_wait_s=0.010, aging_s=1.0, expedite_priority=0)
+    policy.add(item("low-1", 0.000, priority=2))
+    policy.add(item("low-2", 0.001, priority=2))
+    policy.add(item("high", 0.002, priority=0))
+    batch, trigger = policy.next_batch(now=0.002)
+    assert names(batch) == ["high", "low-1"] and trigger == "full"
 
 
 def test_a_low_priority_item_aged_past_the_urgent_one_leads_and_nothing_is_expedited():
