@@ -26,7 +26,7 @@ from mmpipe.schemas import BadMessage, JobResult, MediaEvent, decode_result, enc
 from mmpipe.streams.kafka import ensure_topics, make_producer
 from mmpipe.streams.retry import async_retrying
 from mmpipe.streams.tasks import cancel_and_wait, close_within
-from mmpipe.streams.topics import TopicNames
+from mmpipe.streams.topics import EVENTS, TopicNames
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class BrokerLink:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.topic = TopicNames(settings.topic_prefix).events
+        self.topics = TopicNames(settings.topic_prefix, settings.scheduling.priority_lanes)
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
         self._last_failure: tuple[float, str] | None = None
@@ -131,13 +131,14 @@ class BrokerLink:
 
     async def publish(self, event: MediaEvent) -> None:
         producer = await self.producer()
+        topic = self.topics.lane(EVENTS, event.priority)  # high priority: the events topic's high lane
         try:
             await asyncio.wait_for(
-                producer.send_and_wait(self.topic, encode_event(event), key=event.job_id.encode()),
+                producer.send_and_wait(topic, encode_event(event), key=event.job_id.encode()),
                 PUBLISH_TIMEOUT_S,
             )
         except (KafkaError, asyncio.TimeoutError) as exc:
-            raise BrokerUnavailable(f"publishing to {self.topic} failed: {_describe(exc)}") from exc
+            raise BrokerUnavailable(f"publishing to {topic} failed: {_describe(exc)}") from exc
 
     async def check(self, timeout_s: float) -> None:
         """A metadata request over the producer's connection: the broker answers or it is down."""

@@ -15,7 +15,7 @@ from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payload, decode_result, encode_event
 from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.streams.kafka import groupless_consumer, make_producer
-from mmpipe.streams.topics import TopicNames
+from mmpipe.streams.topics import EVENTS, TopicNames
 
 EXTENSIONS = {
     "image": {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"},
@@ -84,11 +84,13 @@ def event_for_file(path: Path, *, inline: bool, modality: str | None = None, **k
 
 
 class Publisher:
-    """Publishes events to the `events` topic, keyed by job_id (same job -> same partition)."""
+    """Publishes events to the `events` topic (high-priority ones to its high lane), keyed by
+    job_id (same job -> same partition)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.topic = TopicNames(settings.topic_prefix).events
+        self.topics = TopicNames(settings.topic_prefix, settings.scheduling.priority_lanes)
+        self.topic = self.topics.events
         self._producer = make_producer(settings)
 
     async def __aenter__(self) -> Publisher:
@@ -99,7 +101,8 @@ class Publisher:
         await self._producer.stop()
 
     async def publish(self, event: MediaEvent) -> None:
-        await self._producer.send_and_wait(self.topic, encode_event(event), key=event.job_id.encode())
+        await self._producer.send_and_wait(self.topics.lane(EVENTS, event.priority), encode_event(event),
+                                           key=event.job_id.encode())
 
     async def publish_raw(self, key: bytes | None, value: bytes, topic: str | None = None) -> None:
         """For tests and fault injection: put arbitrary bytes on the events topic (or `topic`)."""
@@ -107,7 +110,8 @@ class Publisher:
 
     async def publish_many(self, events: Iterable[MediaEvent]) -> int:
         futures = [
-            await self._producer.send(self.topic, encode_event(e), key=e.job_id.encode()) for e in events
+            await self._producer.send(self.topics.lane(EVENTS, e.priority), encode_event(e), key=e.job_id.encode())
+            for e in events
         ]
         await asyncio.gather(*futures)
         return len(futures)

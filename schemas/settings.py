@@ -42,6 +42,10 @@ class SchedulingSettings(BaseModel):
     # One priority level is worth this much waiting: an item of priority p is overtaken only by
     # work that arrived less than (p - q) * aging_s after it (the starvation bound).
     aging_s: float = Field(1.0, gt=0)
+    # Priority lanes: the highest level travels in topics of its own (events.high, decoded.high,
+    # ready.high; streams/topics.py) so that it never queues behind a backlog in a FIFO topic.
+    # Stages always read both lanes; False makes publishers use the main topics for every level.
+    priority_lanes: bool = True
     # Routing: preprocess places each work item on the ready partition with the lowest expected
     # wait instead of the job ID's hash partition.
     routing: bool = False

@@ -17,6 +17,7 @@ from mmpipe.schemas import BadMessage, WorkItem, decode_work_item, encode_work_i
 from mmpipe.streams.priority import PriorityExecutor, deadline_verdict
 from mmpipe.streams.routing import Router
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
+from mmpipe.streams.topics import READY
 from mmpipe.streams.worker_state import WorkerStateFeed
 
 
@@ -73,7 +74,7 @@ class PreprocessStage(Stage):
             return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(failed_part(item, exc)))]
         ready.trace["preprocess_out"] = time.time()
         self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
-        out = [Outgoing(self.topics.ready, message.key or item.job_id.encode(), encode_work_item(ready),
+        out = [Outgoing(self.topics.lane(READY, ready.priority), message.key or item.job_id.encode(), encode_work_item(ready),
                         self._place(item.model.name))]
         if item.part == 0:
             out.append(self.status(item.job_id, "preprocessing"))

@@ -134,7 +134,7 @@ class MessageDelivery:
     poison: PoisonGuard
     gate: PartitionGate
     admission: DownstreamAdmission
-    downstream_topic: str | None  # the output topic the next stage's admission counts
+    downstream_topics: list[str]  # the output topics (both lanes) the next stage's admission counts
 
     async def process(self, message: Incoming, ack: Callable[[], None], tp: Any) -> None:
         """Deliver `message`, taken from partition `tp` (the gate already counts it in flight);
@@ -167,9 +167,9 @@ class MessageDelivery:
             log.warning("stage %s: after-send step failed: %s", self.stage.name, exc)
 
     def _count_downstream(self, metadata: list[Any]) -> None:
-        if self.downstream_topic is None:
+        if not self.downstream_topics:
             return
-        self.admission.count_sent(md.partition for md in metadata if md is not None and md.topic == self.downstream_topic)
+        self.admission.count_sent(md.partition for md in metadata if md is not None and md.topic in self.downstream_topics)
 
 
 class StageRuntime:
@@ -192,7 +192,7 @@ class StageRuntime:
         )
         self.failures = FailurePolicy(stage.name, self.settings, self.metrics, stage.topics.dead_letter)
         self.sender = Sender(self._produce, self.failures, self.settings)
-        self._downstream = downstream_of(self.settings, stage.name)  # (topic, group) or None
+        self._downstream = downstream_of(self.settings, stage.name)  # (topics, group) or None
         self.admission = DownstreamAdmission(
             high=self.settings.downstream_lag_high,
             low=self.settings.downstream_lag_low,
@@ -207,7 +207,7 @@ class StageRuntime:
         )
         self.delivery = MessageDelivery(
             stage, self.failures, self.sender, self.poison, self.gate, self.admission,
-            self._downstream[0] if self._downstream is not None else None,
+            self._downstream[0] if self._downstream is not None else [],
         )
         self._lag_reader: LagReader | None = None
         self._lag_schedule = LagReadSchedule(self.settings.lag_idle_interval_s)
@@ -293,10 +293,12 @@ class StageRuntime:
             self.stage.backlog = sum(row.lag for row in rows)
             downstream_lag = 0
             if self._downstream is not None:
-                topic, downstream_group = self._downstream
-                rows = await self._lag_reader.read(downstream_group, [topic])
+                topics, downstream_group = self._downstream
+                rows = await self._lag_reader.read(downstream_group, topics)
                 self._export_lag(downstream_group, rows)
-                lag = {row.partition: row.lag for row in rows}
+                lag: dict[int, int] = {}
+                for row in rows:  # both lanes of a partition: one bound on the next stage's backlog
+                    lag[row.partition] = lag.get(row.partition, 0) + row.lag
                 self.stage.observe_downstream_lag(lag)
                 self.admission.update(lag)
                 downstream_lag = sum(lag.values())

@@ -16,7 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from mmpipe.schemas.settings import Settings, secret
-from mmpipe.streams.topics import TopicNames
+from mmpipe.streams.topics import TopicNames, with_lanes
 from mmpipe.streams.retry import retry_async
 from mmpipe.streams.topology import stage_spec
 
@@ -31,12 +31,13 @@ def stage_input_topics(settings: Settings, stage: str) -> list[str]:
     return [topic.name(settings.topic_prefix) for topic in stage_spec(stage).inputs]
 
 
-def downstream_of(settings: Settings, stage: str) -> tuple[str, str] | None:
-    """(output topic, consuming group) of the stage after `stage`; None after the sink."""
+def downstream_of(settings: Settings, stage: str) -> tuple[list[str], str] | None:
+    """(output topics: the output and its high lane, consuming group) of the stage after
+    `stage`; None after the sink."""
     spec = stage_spec(stage)
     if spec.output is None or spec.downstream is None:
         return None
-    return spec.output.name(settings.topic_prefix), group_id(settings, spec.downstream)
+    return [t.name(settings.topic_prefix) for t in with_lanes(spec.output)], group_id(settings, spec.downstream)
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

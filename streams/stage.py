@@ -74,7 +74,7 @@ class Stage(abc.ABC):
     def __init__(self, settings: Settings, metrics: StageMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.topics = TopicNames(settings.topic_prefix)
+        self.topics = TopicNames(settings.topic_prefix, settings.scheduling.priority_lanes)
         self.backlog = 0  # this group's lag, refreshed by the runtime, decremented per message
         self.admit: Admit | None = None  # set by the runtime (admission.py)
         self.assigned: frozenset[int] = frozenset()  # partitions of the first input topic, kept by the runtime

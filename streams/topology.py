@@ -13,14 +13,14 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from mmpipe.streams.topics import DEAD_LETTER, DECODED, EVENTS, PREDICTIONS, READY, STATUS, TopicSpec
+from mmpipe.streams.topics import DEAD_LETTER, DECODED, EVENTS, PREDICTIONS, READY, STATUS, TopicSpec, with_lanes
 
 
 @dataclass(frozen=True)
 class StageSpec:
     name: str
     entry: str  # "module:Class" of the Stage subclass
-    inputs: tuple[TopicSpec, ...]
+    inputs: tuple[TopicSpec, ...]  # the first is the stage's main input (partitions, lag-based admission)
     output: TopicSpec | None  # the topic the next stage reads; None for the last stage
     downstream: str | None  # the stage that consumes `output`
     slot: int  # metrics port slot: stage `slot` replica j serves on base + PORTS_PER_STAGE*slot + j
@@ -33,10 +33,12 @@ class StageSpec:
 
 
 PIPELINE: tuple[StageSpec, ...] = (
-    StageSpec("decode", "mmpipe.stages.decode.stage:DecodeStage", (EVENTS,), DECODED, "preprocess", 0, "decode"),
-    StageSpec("preprocess", "mmpipe.stages.preprocess:PreprocessStage", (DECODED,), READY, "inference", 1,
+    # Work stages also read their input's high-priority lane (streams/topics.py: lane).
+    StageSpec("decode", "mmpipe.stages.decode.stage:DecodeStage", with_lanes(EVENTS), DECODED, "preprocess", 0, "decode"),
+    StageSpec("preprocess", "mmpipe.stages.preprocess:PreprocessStage", with_lanes(DECODED), READY, "inference", 1,
               "preprocess"),
-    StageSpec("inference", "mmpipe.stages.inference:InferenceStage", (READY,), PREDICTIONS, "sink", 2, "execute"),
+    StageSpec("inference", "mmpipe.stages.inference:InferenceStage", with_lanes(READY), PREDICTIONS, "sink", 2,
+              "execute"),
     # The sink also reads what every stage reports besides results: dead letters and job states.
     StageSpec("sink", "mmpipe.stages.sink.stage:SinkStage", (PREDICTIONS, DEAD_LETTER, STATUS), None, None, 3,
               "sink"),

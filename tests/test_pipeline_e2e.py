@@ -219,3 +219,52 @@ def test_timeout_action_rejects_or_runs_late_a_job_past_its_deadline(shared_pipe
     assert len(ran_late.prediction["embedding"]) == 384
     assert results[in_time.job_id].status == "ok" and not results[in_time.job_id].late
     assert results[in_time.job_id].priority == 2
+
+
+def _stage_offsets(settings) -> dict[tuple[str, str], tuple[int, int]]:
+    """(stage, topic) -> (records ever written, records the stage's group committed), summed
+    over partitions, for every stage input topic."""
+    import asyncio
+
+    from mmpipe.streams.kafka import LagReader
+    from mmpipe.streams.topology import STAGE_NAMES
+
+    async def read() -> dict[tuple[str, str], tuple[int, int]]:
+        reader = LagReader(settings)
+        try:
+            out: dict[tuple[str, str], tuple[int, int]] = {}
+            for stage in STAGE_NAMES:
+                for row in await reader.read_stage(stage):
+                    ends, done = out.get((stage, row.topic), (0, 0))
+                    out[(stage, row.topic)] = (ends + row.end_offset, done + (row.committed or 0))
+            return out
+        finally:
+            await reader.close()
+
+    return asyncio.run(read())
+
+
+def test_high_priority_work_travels_its_own_lanes_and_every_stage_reads_them(shared_pipeline):
+    """Priority 0 goes through events.high, decoded.high and ready.high (a FIFO topic with a
+    backlog of lower levels would hold it back); other levels stay in the main topics."""
+    settings = shared_pipeline.settings
+    before = _stage_offsets(settings)
+    urgent = [make_event("text", text=f"urgent {i}", priority=0) for i in range(3)]
+    normal = make_event("text", text="normal", priority=1)
+    results = wait_for_results(settings, publish(settings, [*urgent, normal]))
+    assert all(results[e.job_id].status == "ok" and results[e.job_id].priority == 0 for e in urgent)
+    assert results[normal.job_id].status == "ok"
+    prefix = settings.topic_prefix
+    lanes = {("decode", f"{prefix}.events.high"), ("preprocess", f"{prefix}.decoded.high"),
+             ("inference", f"{prefix}.ready.high")}
+    mains = {("decode", f"{prefix}.events"), ("preprocess", f"{prefix}.decoded"), ("inference", f"{prefix}.ready")}
+    deadline = time.monotonic() + 30
+    while True:
+        after = _stage_offsets(settings)
+        written = {key: after[key][0] - before.get(key, (0, 0))[0] for key in lanes | mains}
+        drained = all(after[key][0] == after[key][1] for key in lanes)  # committed: nothing waits in a lane
+        if drained or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert written == {**{key: 3 for key in lanes}, **{key: 1 for key in mains}}, written
+    assert drained, after

@@ -240,6 +240,21 @@ async def test_the_running_batcher_expedites_a_high_priority_item_past_queued_lo
     assert batches == [["first"], ["high"]]
 
 
+def test_the_highest_priority_travels_in_the_high_lane_of_each_work_topic_unless_lanes_are_off():
+    from mmpipe.streams.topics import ALL_TOPICS, DECODED, EVENTS, PREDICTIONS, READY, TopicNames
+    from mmpipe.streams.topology import stage_spec
+
+    names = TopicNames("mm")
+    assert [names.lane(spec, 0) for spec in (EVENTS, DECODED, READY)] == ["mm.events.high", "mm.decoded.high", "mm.ready.high"]
+    assert [names.lane(spec, p) for spec in (EVENTS, READY) for p in (1, 2)] == ["mm.events"] * 2 + ["mm.ready"] * 2
+    assert names.lane(PREDICTIONS, 0) == "mm.predictions"  # no lane: the sink's inputs stay one topic
+    assert TopicNames("mm", lanes=False).lane(READY, 0) == "mm.ready"
+    for stage, main in (("decode", EVENTS), ("preprocess", DECODED), ("inference", READY)):
+        inputs = [t.suffix for t in stage_spec(stage).inputs]
+        assert inputs == [main.suffix, f"{main.suffix}.high"]  # the main input first: partitions, admission
+    assert {f"{t}.high" for t in ("events", "decoded", "ready")} <= {t.suffix for t in ALL_TOPICS}  # created with the rest
+
+
 # The priority-ordered thread pool and admission waiters ----------------------------------------
 async def test_priority_executor_serves_waiting_jobs_by_rank():
     clock = iter(range(100)).__next__  # each submission one tick later

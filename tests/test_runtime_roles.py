@@ -291,7 +291,7 @@ def delivery(stage: FakeStage, producer: FakeProducer, poison_db: Path) -> Messa
     gate = PartitionGate(high=4, low=1, max_total=8, pause=lambda tps: None, resume=lambda tps: None)
     adm = DownstreamAdmission(high=4, low=1, aging_s=1.0, gate=gate, assigned=list, shedding=lambda: False)
     stage.admit = lambda message, priority: adm.wait_for_room(message.partition, message.offset, priority)
-    return MessageDelivery(stage, fp, sender(producer), PoisonGuard(poison_db, max_crashes=1), gate, adm, DOWNSTREAM)
+    return MessageDelivery(stage, fp, sender(producer), PoisonGuard(poison_db, max_crashes=1), gate, adm, [DOWNSTREAM])
 
 
 async def deliver(run: MessageDelivery, incoming: Incoming, acks: list[int]) -> None:

@@ -27,6 +27,7 @@ from mmpipe.streams.faults import crash_point
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.priority import deadline_verdict
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
+from mmpipe.streams.topics import DECODED
 
 
 class DecodeStage(Stage):
@@ -67,7 +68,7 @@ class DecodeStage(Stage):
         self.metrics.observe_service("decode", time.time() - started)
         key = event.job_id.encode()
         return [self.status(event.job_id, "decoding")] + [
-            Outgoing(self.topics.decoded, key, encode_work_item(item)) for item in items
+            Outgoing(self.topics.lane(DECODED, item.priority), key, encode_work_item(item)) for item in items
         ]
 
     # ---------------------------------------------------------------------------------------

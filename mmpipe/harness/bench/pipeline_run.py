@@ -78,11 +78,13 @@ class Policy:
 
 @dataclass(frozen=True)
 class Topology:
-    """How many inference replicas, how much slower each is (0 = healthy), and whether
-    preprocess routes work onto them by expected wait (streams/routing.py) or by hash."""
+    """How many inference replicas, how much slower each is (0 = healthy), whether preprocess
+    routes work onto them by expected wait (streams/routing.py) or by hash, and whether
+    high-priority work travels in its own topics (streams/topics.py: lanes)."""
 
     inference_delays_ms: tuple[float, ...] = (0.0,)
     routing: bool = False
+    lanes: bool = True
 
     @property
     def replicas(self) -> int:
@@ -142,8 +144,12 @@ class BenchPipeline:
         changes: it runs the router); False if it was already in force."""
         if policy == self.policy and topology == self.topology:
             return False
-        restart = {"inference"} | ({"preprocess"} if topology.routing != self.topology.routing else set())
-        preprocess_replicas = sum(1 for p in self.pipeline.processes if p.stage == "preprocess")
+        restart = {"inference"}
+        if topology.routing != self.topology.routing:
+            restart.add("preprocess")  # it runs the router
+        if topology.lanes != self.topology.lanes:
+            restart |= {"decode", "preprocess"}  # they publish into the lanes
+        kept = {stage: sum(1 for p in self.pipeline.processes if p.stage == stage) for stage in ("decode", "preprocess")}
         for proc in [p for p in self.pipeline.processes if p.stage in restart]:
             if proc.alive():
                 self.pipeline.kill(proc.stage, proc.index, signal.SIGTERM)  # leave the group cleanly
@@ -151,8 +157,7 @@ class BenchPipeline:
             self.sampler.unwatch(proc.name)
         self._apply(policy, topology)
         new = [self.pipeline.spawn("inference", i) for i in range(topology.replicas)]
-        if "preprocess" in restart:
-            new += [self.pipeline.spawn("preprocess", i) for i in range(preprocess_replicas)]
+        new += [self.pipeline.spawn(stage, i) for stage, count in kept.items() if stage in restart for i in range(count)]
         self.pipeline.wait_ready(timeout_s, new)
         self.policy, self.topology = policy, topology
         self._watch_all()
@@ -181,7 +186,7 @@ class BenchPipeline:
 
     def _apply(self, policy: Policy, topology: Topology) -> None:
         """Settings the next inference processes start with."""
-        scheduling = self.settings.scheduling.model_copy(update={"routing": topology.routing})
+        scheduling = self.settings.scheduling.model_copy(update={"routing": topology.routing, "priority_lanes": topology.lanes})
         self.pipeline.settings = self.settings.model_copy(
             update={"batching": {self.model: policy.batching()}, "scheduling": scheduling})
         for index, delay in enumerate(topology.inference_delays_ms):

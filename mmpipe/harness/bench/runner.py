@@ -282,23 +282,27 @@ class Runner:
 
     def priority(self, policy: Policy) -> None:
         """Poisson at priority_load with a seeded share of the jobs at high priority and the rest
-        at priority_rest, twice on the same schedule: high-priority items batched like the rest
-        (no-expedite), then expedited (run at once, in batches of their own level). Per level the
-        latency percentiles, and the starvation check at the batcher from the jobs' traces
-        (stats.priority_stats). The expedited policy stays in force."""
+        at priority_rest, four times on the same schedule: without the two priority mechanisms
+        (one topic per hop for every level, high items batched like the rest), with them (priority
+        lanes and expedite), with them again and without them again. The ABBA order cancels a
+        drift between runs (the later of two runs was repeatedly the slower one here). Per level
+        the latency percentiles, and the starvation check at the batcher from the jobs' traces
+        (stats.priority_stats)."""
         assert self.bench is not None
         cfg = self.cfg
         rate = self.rate_at(cfg.priority_load)
         schedule = traffic.with_priorities(traffic.poisson(rate, cfg.priority_s, cfg.seed, cfg.modality),
                                            cfg.priority_high_share, cfg.seed, cfg.priority_rest)
         aging_s = self.bench.settings.scheduling.aging_s
-        for variant in (replace(policy, expedite=False), policy):
-            self.use(variant)
-            run = self.execute(schedule, "priority", variant, load=cfg.priority_load, rate=rate)
-            run["expedite"] = variant.expedite
+        without = (replace(policy, expedite=False), Topology(lanes=False))
+        with_them = (policy, Topology())
+        for variant, topology in (without, with_them, with_them, without):
+            self.use(variant, topology)
+            run = self.execute(schedule, "priority", variant, load=cfg.priority_load, rate=rate, topology=topology)
+            run["mechanisms"] = variant.expedite and topology.lanes
             run["priority"] = figures = stats.priority_stats(self.bench.fetch(run["tag"]), aging_s)
             levels = figures["levels"]
-            self.say(f"priority levels ({variant.label}): "
+            self.say(f"priority levels ({run['label']}): "
                      + "; ".join(f"{p}: {v['ok']} ok, p99 {v['e2e_ms']['p99']:.0f} ms" for p, v in levels.items())
                      + f"; overtaken beyond the starvation bound at the batcher: {figures['starvation']['beyond_bound']}")
 
@@ -386,15 +390,16 @@ class Runner:
         assert self.bench is not None and self.curve is not None
         self._tags += 1
         tag = f"r{self._tags}"
-        what = f"{kind} {policy.label}" + (f" load {load:.0%}" if load is not None else "") + f": {len(schedule)} jobs"
+        label = policy.label + ("" if topology.lanes else " no-lanes")
+        what = f"{kind} {label}" + (f" load {load:.0%}" if load is not None else "") + f": {len(schedule)} jobs"
         routing_before = self.bench.routing_counts() if topology.routing else None
         with self.console.status(f"{what}..."):
             data = self.bench.run(schedule, self.work, tag, self.cfg.result_timeout_s, outstanding)
         figures = stats.run_stats(data.results, data.published, flood)
         run = {
-            "tag": tag, "scenario": kind, "policy": asdict(policy), "label": policy.label,
+            "tag": tag, "scenario": kind, "policy": asdict(policy), "label": label,
             "topology": {"replicas": topology.replicas, "delays_ms": list(topology.inference_delays_ms),
-                         "routing": topology.routing},
+                         "routing": topology.routing, "lanes": topology.lanes},
             "load": load, "offered_rate": round(rate, 3) if rate else None,
             "modality": "mixed" if kind == "mixed" else self.cfg.modality,
             "stats": figures, "lag_peak": data.lag_peak, "send_lag_ms": data.send_lag_ms,
