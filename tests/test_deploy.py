@@ -36,7 +36,8 @@ from mmpipe.schemas.settings import Settings
 from mmpipe.streams.broker import free_port
 from mmpipe.streams.kafka import group_id, stage_input_topics
 from mmpipe.streams.metrics import STALL_AFTER_S, StageMetrics, probe, serve_metrics
-from mmpipe.streams.topology import STAGE_NAMES
+from mmpipe.streams.topics import with_lanes
+from mmpipe.streams.topology import STAGE_NAMES, stage_spec
 from tests.test_compose import CLI, CLI_COMMANDS, COMPOSE_DIR, settings_path_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -326,15 +327,18 @@ def test_scaled_objects_use_the_capacity_models_numbers(overlay, measured, monke
         expected = scaling_bounds(stage, measured[stage], workers[stage], settings.partitions,
                                   latency_budget_s=LATENCY_BUDGET_S, max_inflight=settings.max_inflight)
         spec = scaled[f"mmpipe-{stage}"]["spec"]
-        (trigger,) = spec["triggers"]
-        meta = trigger["metadata"]
-        assert trigger["type"] == "kafka" and set(meta) <= KAFKA_SCALER_METADATA, meta
+        # One trigger per work topic the stage reads: its main input and that input's high lane.
+        main = stage_spec(stage).inputs[0]
+        assert [t["metadata"]["topic"] for t in spec["triggers"]] == [t.name(settings.topic_prefix) for t in with_lanes(main)]
+        assert spec["triggers"][0]["metadata"]["topic"] == stage_input_topics(settings, stage)[0]
         assert spec["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
-        assert meta["consumerGroup"] == group_id(settings, stage)
-        assert meta["topic"] == stage_input_topics(settings, stage)[0]
-        assert meta["offsetResetPolicy"] == "earliest"  # as the stages' consumers (a new group reads from the start)
-        assert meta["bootstrapServersFromEnv"] == "MMPIPE_BOOTSTRAP" and settings_env(overlay)["MMPIPE_BOOTSTRAP"]
-        assert int(meta["lagThreshold"]) == expected.lag_threshold, f"{stage}: run `mmpipe keda --bench {BENCH_RESULT.name}`"
+        for trigger in spec["triggers"]:
+            meta = trigger["metadata"]
+            assert trigger["type"] == "kafka" and set(meta) <= KAFKA_SCALER_METADATA, meta
+            assert meta["consumerGroup"] == group_id(settings, stage)
+            assert meta["offsetResetPolicy"] == "earliest"  # as the stages' consumers (a new group reads from the start)
+            assert meta["bootstrapServersFromEnv"] == "MMPIPE_BOOTSTRAP" and settings_env(overlay)["MMPIPE_BOOTSTRAP"]
+            assert int(meta["lagThreshold"]) == expected.lag_threshold, f"{stage}: run `mmpipe keda --bench {BENCH_RESULT.name}`"
         assert expected.min_replicas <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= settings.partitions, stage
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace == expected.grace_period_s, f"{stage}: grace period {grace} s, the model says {expected.grace_period_s}"
@@ -351,9 +355,9 @@ def test_base_scales_each_stage_up_to_the_partition_count(monkeypatch):
 def test_prod_scales_over_sasl_with_the_stages_credentials():
     auths = objects("prod", "TriggerAuthentication")
     for name, scaled in objects("prod", "ScaledObject").items():
-        (trigger,) = scaled["spec"]["triggers"]
-        assert trigger["authenticationRef"]["name"] in auths, name
-        assert (trigger["metadata"]["sasl"], trigger["metadata"]["tls"]) == ("scram_sha512", "enable"), name
+        for trigger in scaled["spec"]["triggers"]:  # the main input's and, for work stages, its high lane's
+            assert trigger["authenticationRef"]["name"] in auths, name
+            assert (trigger["metadata"]["sasl"], trigger["metadata"]["tls"]) == ("scram_sha512", "enable"), name
     env = settings_env("prod")
     assert (env["MMPIPE_SECURITY__SECURITY_PROTOCOL"], env["MMPIPE_SECURITY__SASL_MECHANISM"]) == ("SASL_SSL", "SCRAM-SHA-512")
     refs = {ref["parameter"]: ref["key"] for auth in auths.values() for ref in auth["spec"]["secretTargetRef"]}
