@@ -141,7 +141,8 @@ class BenchPipeline:
 
     def set_policy(self, policy: Policy, topology: Topology = Topology(), timeout_s: float = 300.0) -> bool:
         """Restart the inference replicas with this policy (and preprocess too when routing
-        changes: it runs the router); False if it was already in force."""
+        changes: it runs the router; decode and preprocess when the lanes change: they publish
+        into them); False if it was already in force."""
         if policy == self.policy and topology == self.topology:
             return False
         restart = {"inference"}
@@ -185,7 +186,8 @@ class BenchPipeline:
         affinity.pin_threads(broker.process.pid, cpus, "the embedded broker")
 
     def _apply(self, policy: Policy, topology: Topology) -> None:
-        """Settings the next inference processes start with."""
+        """Settings the next restarted processes start with (inference; preprocess and decode
+        too when routing or the lanes change)."""
         scheduling = self.settings.scheduling.model_copy(update={"routing": topology.routing, "priority_lanes": topology.lanes})
         self.pipeline.settings = self.settings.model_copy(
             update={"batching": {self.model: policy.batching()}, "scheduling": scheduling})
