@@ -42,6 +42,9 @@ def assert_exactly_once(report) -> None:
     assert report.conflicts == 0
     assert report.stored_results == report.jobs + report.bad_inputs  # primary key: one row each
     assert report.topic_jobs == report.jobs + report.bad_inputs
+    # High-priority jobs crossed the high lanes through the same faults, and came back as the others.
+    assert set(report.statuses_by_priority) == {"0", "1"}, report.statuses_by_priority
+    assert sum(report.statuses_by_priority["0"].values()) > 0
 
 
 def assert_multi_part_jobs_covered(report) -> None:

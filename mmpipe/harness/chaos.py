@@ -26,6 +26,7 @@ from mmpipe.streams.faults import fired
 from mmpipe.streams.topology import STAGE_NAMES
 from mmpipe.supervisor import Pipeline
 from mmpipe.schemas import MediaEvent, ModelRef, to_json
+from mmpipe.schemas.events import HIGH_PRIORITY, NORMAL_PRIORITY
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ChaosReport:
     statuses: dict[str, int] = field(default_factory=dict)
     workload: dict[str, int] = field(default_factory=dict)  # good jobs per workload kind (WORKLOAD_KINDS)
     statuses_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    statuses_by_priority: dict[str, dict[str, int]] = field(default_factory=dict)  # good jobs: 0 = the high lanes
     parts: dict[str, int] = field(default_factory=dict)  # stored good results by their part count
     bad_input_reasons: dict[str, int] = field(default_factory=dict)
     duration_s: float = 0.0
@@ -81,6 +83,7 @@ class ChaosReport:
 MIX = ("text", "image", "video", "text", "audio")
 LONG_AUDIO_EVERY = 100
 LONG_AUDIO_AT = 14  # a short-audio slot (14 % 5 == 4)
+HIGH_PRIORITY_EVERY = 7  # one job in 7 at priority 0, so faults hit the high lanes too (7 is prime to 5 and 100)
 WORKLOAD_KINDS = {
     "text": "a sentence (1 part)",
     "image": "inline 96x72 PNG (1 part)",
@@ -108,7 +111,8 @@ def workload(jobs: int, seed: int = 0) -> list[MediaEvent]:
     """A mix of small real inputs: texts, inline PNG images, inline WAV snippets, and
     multi-part jobs beside them: 2 s videos (two sampled frames and an audio track: three
     parts, assembled from three inference answers) and, one job in LONG_AUDIO_EVERY, a 34 s
-    spoken clip (two 30 s windows, each transcribed by Whisper: two parts). Each event's
+    spoken clip (two 30 s windows, each transcribed by Whisper: two parts). One job in
+    HIGH_PRIORITY_EVERY, of every kind, is high priority and travels the high lanes. Each event's
     attributes["chaos_kind"] names its kind (see WORKLOAD_KINDS)."""
     image = samples.encode_image(samples.synthetic_picture(96, 72, seed=seed))
     audio = samples.encode_audio(samples.tone_pcm(0.5))
@@ -120,12 +124,13 @@ def workload(jobs: int, seed: int = 0) -> list[MediaEvent]:
     for i in range(jobs):
         kind = workload_kind(i)
         job_id = f"chaos-{seed}-{i:06d}"
-        attributes = {"chaos_kind": kind}
+        common = dict(job_id=job_id, attributes={"chaos_kind": kind},
+                      priority=HIGH_PRIORITY if i % HIGH_PRIORITY_EVERY == 0 else NORMAL_PRIORITY)
         if kind == "text":
-            events.append(make_event("text", text=f"fault run sentence number {i}", job_id=job_id, attributes=attributes))
+            events.append(make_event("text", text=f"fault run sentence number {i}", **common))
         else:
             modality, data = payloads[kind]
-            events.append(make_event(modality, data=data, job_id=job_id, attributes=attributes))
+            events.append(make_event(modality, data=data, **common))
     return events
 
 
@@ -249,6 +254,11 @@ class ChaosRun:
             if j in results:
                 by_kind.setdefault(kinds[j], Counter())[results[j].status] += 1
         self.report.statuses_by_kind = {kind: dict(counts) for kind, counts in sorted(by_kind.items())}
+        by_priority: dict[str, Counter] = {}
+        for event in self.events:
+            if event.job_id in results:
+                by_priority.setdefault(str(event.priority), Counter())[results[event.job_id].status] += 1
+        self.report.statuses_by_priority = {p: dict(counts) for p, counts in sorted(by_priority.items())}
         self.report.parts = {str(n): c for n, c in sorted(Counter(results[j].parts for j in good_ids if j in results).items())}
         self.report.bad_input_reasons = dict(Counter(
             (results[j].error or {}).get("code", results[j].status) for j in bad_ids if j in results
