@@ -13,6 +13,7 @@ import asyncio
 import signal
 import sqlite3
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from mmpipe.stages.sink.store.base import load_result
 from mmpipe.stages.sink.store.sqlite import sqlite_path
 from mmpipe.report import scrape
 from mmpipe.streams import affinity
+from mmpipe.streams.kafka import ensure_topics
 from mmpipe.streams.topology import metrics_port
 from mmpipe.supervisor import Pipeline, tail
 from mmpipe.schemas import JobResult
@@ -175,6 +177,14 @@ class BenchPipeline:
         new = [self.pipeline.spawn(proc.stage, proc.index) for proc in list(self.pipeline.processes)]
         self.pipeline.wait_ready(timeout_s, new)
         self._watch_all()
+
+    def fresh_topics(self, timeout_s: float = 300.0) -> None:
+        """Restart every stage on a new topic prefix (new topics, new groups). The embedded
+        broker's cost per request grows with the records a partition already holds
+        (benchmarks/broker_log_growth.py), so runs that are compared start on empty topics."""
+        prefix = f"{self.settings.topic_prefix.split('-')[0]}-{uuid.uuid4().hex[:6]}"
+        asyncio.run(ensure_topics(self.settings.model_copy(update={"topic_prefix": prefix})))
+        self.restart_stages({"topic_prefix": prefix}, timeout_s)
 
     def _pin_broker(self) -> None:
         """The broker outlives stage restarts: give it the cores the new settings leave it."""
