@@ -117,3 +117,14 @@ def test_the_sink_joins_window_transcripts_in_time_order():
         (1.0, 4.5, False), (60.5, 62.0, True)]
     assert result.prediction["segments"] == [{"start_s": 1.0, "end_s": 2.0}, {"start_s": 3.0, "end_s": 4.5},
                                              {"start_s": 60.5, "end_s": 62.0}]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8])
+def test_the_padded_output_projection_gives_each_row_its_own_logits(model: Whisper, rows: int):
+    """On a CPU the projection runs on rows padded to a multiple of 4 (some row counts hit a slow
+    GEMM path); the padding rows are dropped and each real row's logits are its own."""
+    decoder = model.net.decoder
+    h = torch.randn(rows, decoder.embeddings.weight.shape[1], generator=torch.Generator().manual_seed(rows))
+    logits = decoder.project(h)
+    assert logits.shape == (rows, decoder.embeddings.weight.shape[0])
+    torch.testing.assert_close(logits, h @ decoder.embeddings.weight.T, rtol=1e-4, atol=1e-4)
