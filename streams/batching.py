@@ -84,7 +84,7 @@ class BatchPolicy:
     mode: str = "dynamic"
     static_timeout_s: float = 1.0
     aging_s: float = 1.0  # priority levels: see streams/priority.py
-    expedite_priority: int | None = None  # this level and higher run at once, in batches of their own
+    expedite_priority: int | None = None  # this level and higher skip max_wait (see the module docstring)
     buckets: dict[Hashable, list[Entry]] = field(default_factory=dict)
     size: int = 0
     _seq: Iterator[int] = field(default_factory=itertools.count, repr=False)
