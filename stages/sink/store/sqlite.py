@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from mmpipe.schemas.settings import secret
+from mmpipe.streams.retry import poll_until
 from mmpipe.stages.sink.store.base import StoreUnavailable
 from mmpipe.stages.sink.store.sql import SqlStore
 
@@ -49,13 +50,24 @@ class SqliteStore(SqlStore):
             if self.path != ":memory:":
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
+            self._use_wal(conn)
             # FULL: a commit is on disk before the sink acks its input. With NORMAL an OS crash
             # or power loss could drop the last commits after their offsets were committed to
             # Kafka, and nothing would replay them.
             conn.execute("PRAGMA synchronous=FULL")
             self._local.conn = conn
         return conn
+
+    def _use_wal(self, conn: sqlite3.Connection) -> None:
+        """WAL is a property of the file, kept once set. Switching a fresh file takes an exclusive
+        lock, and while other connections open the same fresh file SQLite may answer BUSY at once
+        without waiting out the busy timeout, so the switch is retried up to that timeout."""
+        try:
+            poll_until(lambda: conn.execute("PRAGMA journal_mode=WAL"), every_s=0.01,
+                       deadline_s=self.busy_timeout_s, retry_if=_is_busy)
+        except sqlite3.OperationalError:
+            conn.close()
+            raise
 
     @contextlib.contextmanager
     def _begin(self, lock_key: str | None = None, write: bool = True) -> Iterator[Any]:
@@ -99,6 +111,11 @@ class SqliteStore(SqlStore):
 
     def close(self) -> None:
         self._drop_connection()
+
+
+def _is_busy(exc: BaseException) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
