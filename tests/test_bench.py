@@ -146,7 +146,7 @@ def test_tiny_speech_scenario_is_consistent(tmp_path):
     word error rate is computed, and the targets and bench.json come out."""
     cfg = BenchConfig.quick_preset(
         out_dir=tmp_path / "bench", device="cpu", torch_threads=2, scenarios=("speech",),
-        speech_clips=2, speech_rate=4.0, speech_rows=2, speech_max_clip_s=5.0,
+        speech_clips=2, speech_load=2.0, speech_rows=2, speech_max_clip_s=5.0,
     )
     result = run_bench(cfg)
 
@@ -155,6 +155,9 @@ def test_tiny_speech_scenario_is_consistent(tmp_path):
     speech = written["speech"]
     assert speech == json.loads(json.dumps(result["speech"]))
     assert speech["clips"] == len(speech["clip_s"]) == 2 and all(0 < s <= 5.0 for s in speech["clip_s"])
+    # No rate given: twice the clips/s this machine served one at a time, measured first.
+    assert speech["one_at_a_time_clips_per_s"] > 0
+    assert speech["rate_per_s"] == pytest.approx(2.0 * speech["one_at_a_time_clips_per_s"], rel=0.01)
     runs = {r["policy"]: r for r in speech["runs"]}
     assert list(runs) == ["off", "request", "continuous"]
     assert speech["clips_where_policies_agree"] == 2

@@ -29,7 +29,10 @@ def bench(
     model_cpus: str = typer.Option("auto", help="cores for the inference model thread alone, the rest for everything else: "
                                                 "auto (CPU device: the last torch-threads cores) | none | e.g. 1 or 2,3"),
     speech_clips: Optional[int] = typer.Option(None, help="speech: espeak-ng clips of 1-25 s (default 16; --quick 6)"),
-    speech_rate: Optional[float] = typer.Option(None, help="speech: Poisson arrivals per second (default 2)"),
+    speech_rate: Optional[float] = typer.Option(None, help="speech: Poisson arrivals per second (default: --speech-load "
+                                                           "x the clips/s served one at a time, measured first)"),
+    speech_load: Optional[float] = typer.Option(None, help="speech: offered load as a multiple of the one-at-a-time "
+                                                           "capacity (default 2.5)"),
     speech_seed: Optional[int] = typer.Option(None, help="speech: seed of the clips and their arrivals (default 7)"),
     speech_rows: Optional[int] = typer.Option(None, help="speech: KV-cache slots; the budget is rows x one sequence's "
                                                          "reservation (default 8)"),
@@ -49,7 +52,7 @@ def bench(
         out_dir=out, device=device, seed=seed, rate=rate, modality=modality, torch_threads=torch_threads,
         decode_replicas=decode_replicas, preprocess_replicas=preprocess_replicas, model_cpus=model_cpus,
     )
-    speech = dict(speech_clips=speech_clips, speech_rate=speech_rate, speech_seed=speech_seed, speech_rows=speech_rows)
+    speech = dict(speech_clips=speech_clips, speech_rate=speech_rate, speech_load=speech_load, speech_seed=speech_seed, speech_rows=speech_rows)
     options.update({k: v for k, v in speech.items() if v is not None})  # else the preset's
     if quick:
         # --quick runs the poisson scenario unless scenarios were named explicitly.

@@ -73,7 +73,10 @@ class BenchConfig:
     result_timeout_s: float = 600.0
     # Speech scenario (speech.py); the defaults are the recorded run's.
     speech_clips: int = 16
-    speech_rate: float = 2.0  # Poisson arrivals per second
+    # Poisson arrivals per second; None: speech_load x the clips per second this machine serves
+    # one at a time (measured first), so every machine sees the same overload, not the same rate.
+    speech_rate: float | None = None
+    speech_load: float = 2.5
     speech_seed: int = 7
     speech_rows: int = 8  # KV-cache slots: the budget is rows x one sequence's reservation
     speech_max_clip_s: float = 25.0

@@ -204,10 +204,17 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
     return rows
 
 
+def _offered(speech: dict[str, Any]) -> str:
+    """What the rate was derived from, when it was not given."""
+    if speech.get("one_at_a_time_clips_per_s") is None:
+        return ""
+    return f" ({speech['load']:g}x the {speech['one_at_a_time_clips_per_s']:g} clips/s served one at a time)"
+
+
 def speech_table(speech: dict[str, Any]) -> Table:
     """One row per decoder scheduling policy, same clips and arrivals, and the peer's row."""
     table = Table(title=f"speech to text, decoder scheduling policies: {speech['clips']} espeak-ng clips "
-                        f"({speech['audio_s']} s of audio), Poisson {speech['rate_per_s']:g}/s, seed {speech['seed']}, "
+                        f"({speech['audio_s']} s of audio), Poisson {speech['rate_per_s']:g}/s{_offered(speech)}, seed {speech['seed']}, "
                         f"{speech['runs'][0]['rows']} KV slots, on {speech['device']} (latency and TTFT from each clip's arrival)")
     cols = ("policy", "decoder tok/s", "rows/step", "encoder s", "audio s/s", "latency p50/p99 s", "TTFT p50/p99 s",
             "KV peak/budget MB", "WER", "truncated", "cpu own/other")
