@@ -166,25 +166,35 @@ class BenchPipeline:
         self._watch_all()
         return True
 
-    def restart_stages(self, overrides: dict[str, Any], timeout_s: float = 300.0) -> None:
-        """Restart every stage process (not the broker) with these settings changed."""
+    def restart_stages(self, overrides: dict[str, Any], timeout_s: float = 300.0,
+                       inference_replicas: int | None = None) -> None:
+        """Restart every stage process (not the broker) with these settings changed, and with
+        `inference_replicas` inference processes when given."""
         for proc in list(self.pipeline.processes):
             if proc.alive():
                 self.pipeline.kill(proc.stage, proc.index, signal.SIGTERM)
             self.sampler.unwatch(proc.name)
         self.pipeline.settings = self.settings.model_copy(update=overrides)
         self._pin_broker()
-        new = [self.pipeline.spawn(proc.stage, proc.index) for proc in list(self.pipeline.processes)]
+        slots = [(p.stage, p.index) for p in self.pipeline.processes]
+        if inference_replicas is not None:
+            slots = [s for s in slots if s[0] != "inference"] + [("inference", i) for i in range(inference_replicas)]
+            self.pipeline.processes = [p for p in self.pipeline.processes if (p.stage, p.index) in slots]
+        new = [self.pipeline.spawn(stage, index) for stage, index in slots]
         self.pipeline.wait_ready(timeout_s, new)
         self._watch_all()
 
-    def fresh_topics(self, timeout_s: float = 300.0) -> None:
-        """Restart every stage on a new topic prefix (new topics, new groups). The embedded
-        broker's cost per request grows with the records a partition already holds
-        (benchmarks/broker_log_growth.py), so runs that are compared start on empty topics."""
+    def fresh_topics(self, policy: Policy, topology: Topology = Topology(), timeout_s: float = 300.0) -> None:
+        """Restart every stage on a new topic prefix (new topics, new groups), inference with
+        `policy` and `topology`: one restart of everything rather than set_policy's and then
+        this one's. The embedded broker's cost per request grows with the records a partition
+        already holds (benchmarks/broker_log_growth.py), so runs that are compared start on
+        empty topics."""
         prefix = f"{self.settings.topic_prefix.split('-')[0]}-{uuid.uuid4().hex[:6]}"
         asyncio.run(ensure_topics(self.settings.model_copy(update={"topic_prefix": prefix})))
-        self.restart_stages({"topic_prefix": prefix}, timeout_s)
+        self._apply(policy, topology)
+        self.restart_stages({"topic_prefix": prefix}, timeout_s, inference_replicas=topology.replicas)
+        self.policy, self.topology = policy, topology
 
     def _pin_broker(self) -> None:
         """The broker outlives stage restarts: give it the cores the new settings leave it."""

@@ -245,6 +245,16 @@ class Runner:
             self.execute(traffic.flood(warm, self.cfg.modality, self.cfg.seed), "warm-up", policy, record=False, simulate_it=False)
             self._warm = True
 
+    def fresh_start(self, policy: Policy, topology: Topology) -> None:
+        """Every stage restarted on fresh topics with this policy and topology, then warmed up."""
+        assert self.bench is not None
+        with self.console.status(f"every stage onto fresh topics with {policy.label} ({topology.replicas} replica(s))..."):
+            started = time.monotonic()
+            self.bench.fresh_topics(policy, topology)
+        self.say(f"fresh topics, every stage restarted with [bold]{policy.label}[/] in {time.monotonic() - started:.1f}s")
+        self._warm = False
+        self.use(policy, topology)  # already in force: only the warm-up runs
+
     def flood(self, policy: Policy) -> None:
         """Saturation, closed loop (like perf_analyzer's concurrency mode): a fixed number of
         jobs outstanding, a new one sent as each completes. Every stage then runs at the
@@ -297,11 +307,7 @@ class Runner:
         without = (replace(policy, expedite=False), Topology(lanes=False))
         with_them = (policy, Topology())
         for variant, topology in (without, with_them, with_them, without):
-            self.use(variant, topology)
-            with self.console.status("every stage onto fresh topics..."):
-                self.bench.fresh_topics()
-            self._warm = False
-            self.use(variant, topology)  # the warm-up on the new topics
+            self.fresh_start(variant, topology)
             run = self.execute(schedule, "priority", variant, load=cfg.priority_load, rate=rate, topology=topology)
             run["mechanisms"] = variant.expedite and topology.lanes
             run["priority"] = figures = stats.priority_stats(self.bench.fetch(run["tag"]), aging_s)
@@ -333,7 +339,7 @@ class Runner:
         plan += [(self.policies[name if name != "dynamic" else "headline"], slowed) for name in ("off", "dynamic") if name in self.cfg.policies]
         plan.append((self.policies["headline"], Topology((0.0, delay), routing=True)))
         for policy, topology in plan:
-            self.use(policy, topology)
+            self.fresh_start(policy, topology)  # no run pays for the records of the one before
             self.execute(schedule, "degraded", policy, load=TARGET_LOAD, rate=rate, topology=topology)
 
     def efficiency(self) -> None:
