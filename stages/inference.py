@@ -188,7 +188,5 @@ class InferenceStage(Stage):
             priority=item.priority,
             late=late,
         )
-        out = [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(prediction))]
-        if item.part == 0:
-            out.append(self.status(item.job_id, "inferring"))
-        return out
+        # No "inferring" status record: the sink stamps it from the prediction's batch_end.
+        return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(prediction))]

@@ -3,7 +3,7 @@
     events ──decode──▶ decoded ──preprocess──▶ ready ──inference──▶ predictions ──sink──▶ results
        │                  │                      │                       ▲                 (compacted)
        └──────────────────┴──────────────────────┴──▶ dead-letter ───────┘
-    every stage ──▶ status ──▶ sink (job status table)
+    decode, preprocess ──▶ status ──▶ sink (job status table; `inferring` is stamped by the sink)
     high priority: events.high ──decode──▶ decoded.high ──preprocess──▶ ready.high ──inference──▶
     inference ──▶ workers ──▶ preprocess's router (compacted; only with scheduling.routing)
 

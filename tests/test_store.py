@@ -152,6 +152,38 @@ def test_status_only_moves_forward(store: ResultStore) -> None:
     assert job.updated_at == final.result.completed_at
 
 
+def test_a_stored_part_the_model_ran_stamps_inferring(store: ResultStore) -> None:
+    """The inference stage sends no status record: the sink stamps "inferring" from a stored
+    part's batch_end, moving the state while parts are missing and filling only the time when
+    the part completes the job."""
+    job_id = new_job_id()
+    store.accept_job(job_id, "video", None, T0)
+    store.record_status(job_id, "preprocessing", T0 + 1)
+    first = frame(job_id, 1, 2)
+    first.trace["batch_end"] = T0 + 2
+    assert store.record_part(first, assemble) is None
+    job = store.get_job(job_id)
+    assert (job.state, job.state_times["inferring"]) == ("inferring", T0 + 2)
+
+    last = frame(job_id, 0, 2)
+    last.trace["batch_end"] = T0 + 1.5  # ran earlier, arrived later: the first stamp stays
+    assert store.record_part(last, assemble).created
+    job = store.get_job(job_id)
+    assert (job.state, job.state_times["inferring"]) == ("done", T0 + 2)
+
+    alone = new_job_id()
+    single = image(alone)
+    single.trace["batch_end"] = T0 + 3
+    store.record_part(single, assemble)
+    job = store.get_job(alone)
+    assert (job.state, job.state_times["inferring"]) == ("done", T0 + 3)
+    assert job.state_times["inferring"] <= job.state_times["finished"]
+
+    unrun = new_job_id()  # a part answered without the model (failed in preprocess): no stamp
+    store.record_part(image(unrun), assemble)
+    assert "inferring" not in store.get_job(unrun).state_times
+
+
 def test_status_of_a_job_never_accepted_here_creates_it(store: ResultStore) -> None:
     job_id = new_job_id()
     store.record_status(job_id, "decoding", T0 + 1)

@@ -11,7 +11,8 @@ The contract every backend keeps (SQLite embedded default, PostgreSQL in product
   Once a result exists it never changes; later arrivals get the stored row back (to re-publish
   it if publishing had not been confirmed), and a differing one is recorded as a conflict.
 * jobs: a status row per job that only moves forward (accepted -> decoding -> preprocessing
-  -> inferring -> done | failed | expired | rejected), with a timestamp per state.
+  -> inferring -> done | failed | expired | rejected), with a timestamp per state. `inferring`
+  comes from no status record: storing a part the model ran stamps it (its batch_end).
 * dead letters: one row per source message (topic, partition, offset).
 
 Backends raise StoreUnavailable for "try again later" conditions (locked, connection lost),

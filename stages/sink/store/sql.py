@@ -197,9 +197,12 @@ class SqlStore(ResultStore):
                 (state, at, at, job_id),
             )
         elif state == current or STATE_RANK[state] < STATE_RANK.get(current, -1):
-            cur.execute(
-                self._q(f"UPDATE jobs SET {column} = COALESCE({column}, ?) WHERE job_id = ?"), (at, job_id)
-            )
+            self._stamp(cur, job_id, state, at)
+
+    def _stamp(self, cur: Any, job_id: str, state: str, at: float) -> None:
+        """Fill a state's time if it has none (a late or redelivered report), state unchanged."""
+        column = STATE_COLUMN.get(state, "finished_at")
+        cur.execute(self._q(f"UPDATE jobs SET {column} = COALESCE({column}, ?) WHERE job_id = ?"), (at, job_id))
 
     # Parts and results ----------------------------------------------------------------------
     def record_part(self, prediction: Prediction, assemble: Assemble) -> Final | JobIdConflict | None:
@@ -230,9 +233,15 @@ class SqlStore(ResultStore):
                 return self._finalize(cur, [prediction], assemble)
             cur.execute(self._q("SELECT body FROM parts WHERE job_id = ? ORDER BY part"), (prediction.job_id,))
             parts = [load_part(row[0]) for row in cur.fetchall()]
+            inferred_at = prediction.trace.get("batch_end")  # set only on parts the model ran
             if len(parts) < prediction.parts:
+                if inferred_at is not None:
+                    self._advance(cur, prediction.job_id, "inferring", inferred_at)
                 return None
-            return self._finalize(cur, parts, assemble)
+            final = self._finalize(cur, parts, assemble)
+            if inferred_at is not None:
+                self._stamp(cur, prediction.job_id, "inferring", inferred_at)
+            return final
 
     def _other_job(self, cur: Any, prediction: Prediction) -> JobIdConflict | None:
         """A part of another job that reuses this job's ID (a different payload digest) is
