@@ -93,6 +93,11 @@ class LoadedModel(abc.ABC):
     def warmup(self) -> None:
         """Run once on a representative input so the first real batch is not slow."""
 
+    def freeze_graph(self) -> bool:
+        """Swap the Python-level forward for a frozen graph where this model has one (same
+        outputs, checked when swapped). True when swapped; the default keeps it eager."""
+        return False
+
 
 class AutoregressiveModel(LoadedModel):
     """A model that generates step by step: the inference stage serves it with the continuous

@@ -25,7 +25,7 @@ from mmpipe.models.base import (
     TensorSpec,
     WeightsUnavailable,
 )
-from mmpipe.models.torch_util import inference_context, resolve_device
+from mmpipe.models.torch_util import frozen_graph, inference_context, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,25 @@ class ImageClassifier(LoadedModel):
         """uint8 NCHW crops -> the float input the weights were trained on, on the model's device."""
         return pixels.to(self.device, non_blocking=True).float().mul_(self._scale).sub_(self._shift)
 
+    def freeze_graph(self) -> bool:
+        # On the CPU only: a graph traced under the GPU's fp16 autocast is not tried yet.
+        if self.device != "cpu":
+            return False
+        pixels = self.spec.example_input()["pixels"]
+        example = np.stack([pixels, pixels[:, ::-1], 255 - pixels])
+        graph = frozen_graph(self.model, self._input(example[:2]), self._input(example))
+        if graph is None:
+            return False
+        self.model = graph
+        return True
+
+    def _input(self, pixels: np.ndarray) -> torch.Tensor:
+        return self.normalise(torch.from_numpy(pixels)).contiguous(memory_format=torch.channels_last)
+
     def predict(self, batch: list[dict[str, np.ndarray]]) -> list[Any]:
-        pixels = torch.from_numpy(np.stack([item["pixels"] for item in batch]))
+        pixels = np.stack([item["pixels"] for item in batch])
         with inference_context(self.device):
-            logits = self.model(self.normalise(pixels).contiguous(memory_format=torch.channels_last))
+            logits = self.model(self._input(pixels))
             probs = torch.softmax(logits.float(), dim=1)
             top = torch.topk(probs, TOP_K, dim=1)
         values, indices = top.values.cpu().numpy(), top.indices.cpu().numpy()

@@ -184,6 +184,10 @@ class Settings(BaseSettings):
     # --- Models and inference -----------------------------------------------------------
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
+    # Run models that offer it as a frozen graph (TorchScript) on the CPU: one call that holds
+    # no GIL, so the inference stage's event loop cannot stall the model between layers
+    # (models/torch_util.py). False keeps every model eager.
+    graph_mode: bool = True
     # Cores for the inference stage's model thread alone; every other pipeline thread (the
     # embedded broker, each stage, the inference stage's event loop) runs on the rest.
     # Empty: no pinning. E.g. MMPIPE_MODEL_CPUS=1 on a 2-core machine (see streams/affinity.py).

@@ -41,8 +41,10 @@ class InferenceStage(Stage):
         self.models: dict[ModelRef, LoadedModel] = {}
         for spec in specs_by_name(self.settings.models):
             model = spec.load(device, str(self.settings.weights_dir), self.settings.allow_random_weights)
+            graph = self.settings.graph_mode and model.freeze_graph()
             self.models[spec.ref] = model
-            log.info("loaded %s on %s (weights: %s)", spec.ref, model.device, model.weights)
+            log.info("loaded %s on %s (weights: %s; %s)", spec.ref, model.device, model.weights,
+                     "frozen graph" if graph else "eager")
         # Loading silero-vad sets torch to one thread process-wide; choose the count here.
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)

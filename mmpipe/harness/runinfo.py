@@ -17,7 +17,7 @@ from mmpipe.schemas.settings import Settings
 
 # The settings that shape a fault or overload run's figures (never the store URL: it may hold a password).
 SETTINGS_SHOWN = (
-    "partitions", "models", "device", "torch_threads", "model_cpus", "decode_workers", "inference_workers",
+    "partitions", "models", "device", "torch_threads", "model_cpus", "graph_mode", "decode_workers", "inference_workers",
     "default_batching", "batching", "continuous", "inject_execute_delay_ms", "fault_points",
     "admission_policy", "max_backlog", "default_deadline_s", "max_inflight", "inflight_high_per_partition",
     "inflight_low_per_partition", "downstream_lag_high", "downstream_lag_low", "stream_buffer_maxsize",

@@ -45,6 +45,7 @@ class ModelCurve:
     torch_threads: int
     points: list[CurvePoint] = field(default_factory=list)
     gpu_peak_bytes: int = 0
+    graph: bool = False  # ran as a frozen graph (models/torch_util.py), as the inference stage does
 
     @property
     def best_batch(self) -> int:
@@ -92,11 +93,13 @@ def measure_curve(
     device: str,
     weights_dir: str,
     torch_threads: int,
+    graph_mode: bool,
     sizes: list[int],
     seconds_per_size: float,
     rounds: int = 3,
 ) -> ModelCurve:
     model = spec.load(device, weights_dir, True)
+    graph = graph_mode and model.freeze_graph()  # as the inference stage runs it
     if torch_threads:
         torch.set_num_threads(torch_threads)  # after load: loading silero resets it
     on_gpu = model.device.startswith("cuda")
@@ -114,7 +117,8 @@ def measure_curve(
                 timed = _time_batches(model, [example] * b, seconds_per_size / rounds)
                 cpu[b] += time.process_time() - cpu_start
                 timings[b] += timed
-        curve = ModelCurve(spec.config.name, spec.config.version, model.weights, model.device, torch.get_num_threads())
+        curve = ModelCurve(spec.config.name, spec.config.version, model.weights, model.device, torch.get_num_threads(),
+                           graph=graph)
         for b in sizes:
             median_ms = float(np.median(timings[b])) * 1000.0
             cpu_ms = cpu[b] * 1000.0 / (b * len(timings[b]))

@@ -45,6 +45,7 @@ REPORTED_SETTINGS = {
     "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
     "stream_buffer_maxsize", "decode_workers", "decode_threads", "inference_workers", "torch_threads",
     "video_sample_fps", "video_max_frames", "models", "device", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus",
+    "graph_mode",
 }
 
 
@@ -145,10 +146,12 @@ class Runner:
             curve = measure_curve(
                 spec, model_input(spec, self.cfg.modality, self.work), device=self.device,
                 weights_dir=str(load_settings().weights_dir), torch_threads=self.cfg.threads(),
+                graph_mode=load_settings().graph_mode,
                 sizes=sizes, seconds_per_size=self.cfg.model_seconds_per_size, rounds=self.cfg.model_rounds,
             )
         points = ", ".join(f"b{p.batch_size}: {p.items_per_s:.1f}/s" for p in curve.points)
-        self.say(f"model alone ({curve.weights} weights): {points}; best b={curve.best_batch}, gain {curve.batching_gain:.2f}x")
+        form = "frozen graph" if curve.graph else "eager"
+        self.say(f"model alone ({curve.weights} weights, {form}): {points}; best b={curve.best_batch}, gain {curve.batching_gain:.2f}x")
         return curve
 
     def pipeline_phase(self) -> None:
