@@ -26,7 +26,10 @@ import pebble
 from mmpipe.stages.decode.media import DecodedMedia, DecodeLimits, MediaError, Source, decode_media
 
 T = TypeVar("T")
-TASKS_PER_WORKER = 500  # recycle workers now and then: native heaps only grow
+# Recycle workers now and then, in case a codec leaks. Rarely: a respawn imports the stage's
+# __main__ again (~0.4 s of CPU), and a worker's RSS stayed flat over 3,000 mixed decodes
+# (benchmarks/decode_worker_recycling.py: every 500 cost 0.84 ms of CPU per decode more).
+TASKS_PER_WORKER = 5000
 
 
 def _limit_worker(memory_limit_bytes: int) -> None:
