@@ -47,6 +47,12 @@ def _print_json(value: object) -> None:
     typer.echo(orjson.dumps(to_jsonable(value)).decode())
 
 
+def logging_level(name: str) -> str:
+    """The logging module's name for a configured level ("warn" and "warning" both work)."""
+    upper = name.upper()
+    return "WARNING" if upper == "WARN" else upper
+
+
 @app.command()
 def broker(port: int = 9092, host: str = "127.0.0.1") -> None:
     """Run the embedded Kafka-protocol broker (Tansu) in the foreground."""
@@ -86,7 +92,7 @@ def worker(stage: Annotated[str, typer.Argument(help=" | ".join(STAGE_NAMES))], 
     except UnknownStage as exc:
         raise typer.BadParameter(str(exc)) from None
     settings = _settings(bootstrap)
-    logging.basicConfig(level=settings.log_level.upper().replace("WARN", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging_level(settings.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stage_obj = spec.load_class()(settings, StageMetrics(stage))
     ready = os.environ.get(READY_FILE_ENV)
     StageRuntime(stage_obj, Path(ready) if ready else None).run()

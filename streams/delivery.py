@@ -75,6 +75,16 @@ def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
     )
 
 
+def quiet_worker(app: faust.App, loglevel: str) -> faust.Worker:
+    """A faust worker without its terminal spinner. To advance the spinner on every log call,
+    faust sets the root logger to DEBUG, so every library debug call in the hot path (aiokafka
+    logs each send) built a log record only for the handlers to drop it; the spinner itself
+    stops after start-up and never draws into a log file."""
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    worker.spinner = None
+    return worker
+
+
 def _faust_credentials(settings: Settings) -> Any:
     sec = settings.security
     context = ssl_context(settings)
@@ -227,8 +237,7 @@ class StageRuntime:
         affinity.pin_pipeline_process(self.settings.model_cpus)  # before any thread starts
         self.stage.setup()
         serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
-        worker = faust.Worker(self.app, loglevel=self.settings.log_level, quiet=True)
-        worker.execute_from_commandline()
+        quiet_worker(self.app, self.settings.log_level).execute_from_commandline()
 
     async def _on_startup(self) -> None:
         await self.stage.start()

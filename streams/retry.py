@@ -63,10 +63,25 @@ def async_retrying(
 async def retry_async(
     call: Callable[[], Awaitable[Any]], retry_on: RetryOn, *, base_s: float, cap_s: float, **options: Any
 ) -> Any:
-    """`await call()` under async_retrying(...)."""
+    """`await call()` under async_retrying(...). The first attempt runs bare, since nearly every
+    call (each message's handling and produce) succeeds at once: the retrying object is built
+    only after a failure, which it then takes as its first attempt (a `deadline_s` counts from
+    there)."""
+    try:
+        return await call()
+    except retry_on as exc:
+        failure: BaseException | None = exc
+
+    async def replay_then_call() -> Any:
+        nonlocal failure
+        if failure is not None:
+            exc, failure = failure, None
+            raise exc
+        return await call()
+
     async for attempt in async_retrying(retry_on, base_s=base_s, cap_s=cap_s, **options):
         with attempt:
-            return await call()
+            return await replay_then_call()
 
 
 def poll_until(call: Callable[[], Any], *, every_s: float, deadline_s: float,

@@ -382,6 +382,25 @@ async def test_retry_async_gives_up_when_told_and_raises_the_error_itself():
     assert all(0 <= w <= cap for w, cap in zip(sleep.waits, caps))
 
 
+async def test_retry_async_counts_the_bare_first_attempt_like_any_other():
+    outcomes = iter([ConnectionError("down"), ConnectionError("down"), "up"])
+    retried: list[tuple[int, float]] = []
+
+    async def flaky() -> str:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    sleep = FakeSleep()
+    assert await retry_async(flaky, ConnectionError, base_s=1, cap_s=8, sleep=sleep,
+                             on_retry=lambda exc, attempt, delay: retried.append((attempt, delay))) == "up"
+    assert [attempt for attempt, _ in retried] == [0, 1] and len(sleep.waits) == 2
+    with pytest.raises(ValueError):  # not a retryable error: raised at once, nothing retried
+        await retry_async(lambda: (_ for _ in ()).throw(ValueError("bad")), ConnectionError, base_s=1, cap_s=8, sleep=sleep)
+    assert len(sleep.waits) == 2
+
+
 def test_poll_until_stops_at_the_first_answer_and_lets_other_errors_through():
     answers = iter([OSError("refused"), OSError("refused"), "ok"])
 
