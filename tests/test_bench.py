@@ -169,6 +169,15 @@ def test_tiny_speech_scenario_is_consistent(tmp_path):
         assert r["resources"]["cpu_cores"]["bench"] > 0 and r["resources"]["other_busy_cores"] >= 0
         assert 0 < r["ttft_p50_s"] <= r["latency_p50_s"] and r["latency_p50_s"] <= r["latency_p99_s"]
     assert runs["off"]["mean_step_rows"] == 1.0 and runs["off"]["kv_peak_bytes"] * 2 == runs["off"]["kv_budget_bytes"]
+    # Only request-level batching steps padding rows; its ceiling for any scheduler follows from them.
+    assert runs["off"]["row_steps"] == runs["off"]["live_row_steps"] == runs["off"]["steps"]
+    assert runs["continuous"]["row_steps"] == runs["continuous"]["live_row_steps"]
+    assert runs["request"]["row_steps"] >= runs["request"]["live_row_steps"] > 0
+    assert speech["mix"] == "uniform"
+    ceiling = speech["scheduling_ceiling"]
+    assert ceiling["padding_share"] == round(1 - runs["request"]["live_row_steps"] / runs["request"]["row_steps"], 3)
+    assert all(sum(c["steps"] for c in r["step_ms_by_rows"].values()) == r["steps"] for r in runs.values())
+    assert ceiling["ceiling"] > 0 and ceiling["cheapest_row_ms"] > 0
     assert speech["continuous_vs_request_decoder_tokens_per_s"] == pytest.approx(
         runs["continuous"]["decoder_tokens_per_s"] / runs["request"]["decoder_tokens_per_s"], abs=0.01)
     assert "error" not in speech["peer"] and speech["peer"]["audio_s_per_s"] > 0
@@ -177,6 +186,22 @@ def test_tiny_speech_scenario_is_consistent(tmp_path):
     assert names["speech: KV reservation / budget (peak)"]["status"] == "PASS"
     assert names["speech: word error rate (worst policy)"]["measured"] == max(r["wer"] for r in runs.values())
     assert all(t["status"] in ("PASS", "MISS") for t in names.values())
+
+
+def test_speech_mixes_differ_in_how_long_the_longest_clip_runs():
+    """short-heavy: about four clips in five are one sentence, the rest as many as there are
+    (trimmed to the clip limit later); uniform: 1 to 7 alike. An unknown mix is refused."""
+    import numpy as np
+
+    from mmpipe.harness.bench.speech import SENTENCES, sentences_per_clip
+
+    rng = np.random.default_rng(1)
+    short_heavy = [sentences_per_clip("short-heavy", rng) for _ in range(2000)]
+    uniform = [sentences_per_clip("uniform", rng) for _ in range(2000)]
+    assert set(short_heavy) == {1, len(SENTENCES)} and 0.77 < short_heavy.count(1) / 2000 < 0.83
+    assert set(uniform) == set(range(1, 8))
+    with pytest.raises(ValueError, match="unknown speech mix"):
+        sentences_per_clip("bimodal", rng)
 
 
 def _job(job_id, priority, arrived, started, execute_ms=40.0):

@@ -19,8 +19,8 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", help="directory for bench.json, bench.png and the run's logs"),
     scenario: str = typer.Option(
         "all", help="poisson | bursty | degraded | mixed | priority | efficiency | speech | all (comma-separated list allowed). "
-                    "all includes speech (Whisper decoder policies in the bench process, no pipeline; about 2 min on "
-                    "2 cores, 16 clips); --quick runs poisson,efficiency unless scenarios are named"),
+                    "all includes speech (Whisper decoder policies in the bench process, no pipeline; 1-3 min on "
+                    "2 cores, 48 clips); --quick runs poisson,efficiency unless scenarios are named"),
     modality: str = typer.Option("image", help="traffic of poisson/bursty/degraded/priority: image | audio | text"),
     torch_threads: int = typer.Option(0, help="torch threads per stage process and for the model alone (0: half the cores); "
                                                  "speech: 0 = every core up to 8"),
@@ -28,7 +28,7 @@ def bench(
     preprocess_replicas: int = typer.Option(0, help="preprocess stage processes (0: auto)"),
     model_cpus: str = typer.Option("auto", help="cores for the inference model thread alone, the rest for everything else: "
                                                 "auto (CPU device: the last torch-threads cores) | none | e.g. 1 or 2,3"),
-    speech_clips: Optional[int] = typer.Option(None, help="speech: espeak-ng clips of 1-25 s (default 16; --quick 6)"),
+    speech_clips: Optional[int] = typer.Option(None, help="speech: espeak-ng clips of 1-25 s (default 48; --quick 6)"),
     speech_rate: Optional[float] = typer.Option(None, help="speech: Poisson arrivals per second (default: --speech-load "
                                                            "x the clips/s served one at a time, measured first)"),
     speech_load: Optional[float] = typer.Option(None, help="speech: offered load as a multiple of the one-at-a-time "
@@ -36,10 +36,12 @@ def bench(
     speech_seed: Optional[int] = typer.Option(None, help="speech: seed of the clips and their arrivals (default 7)"),
     speech_rows: Optional[int] = typer.Option(None, help="speech: KV-cache slots; the budget is rows x one sequence's "
                                                          "reservation (default 8)"),
+    speech_mix: Optional[str] = typer.Option(None, help="speech: clip lengths, uniform (1-7 sentences alike, the default) | "
+                                                        "short-heavy (4 in 5 one sentence, the rest as long as fits)"),
 ) -> None:
     """Benchmark batching policies on the real pipeline (embedded broker, one process per stage), and the
     speech-to-text decoder scheduling policies (off / request-level / continuous) on the same arrivals."""
-    from mmpipe.harness.bench.config import MODALITIES, SCENARIOS, BenchConfig
+    from mmpipe.harness.bench.config import MODALITIES, SCENARIOS, SPEECH_MIXES, BenchConfig
     from mmpipe.harness.bench.runner import run_bench
 
     scenarios = SCENARIOS if scenario == "all" else tuple(s.strip() for s in scenario.split(",") if s.strip())
@@ -48,11 +50,14 @@ def bench(
         raise typer.BadParameter(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {', '.join(SCENARIOS)} or all")
     if modality not in MODALITIES:
         raise typer.BadParameter(f"modality must be one of {', '.join(MODALITIES)}")
+    if speech_mix is not None and speech_mix not in SPEECH_MIXES:
+        raise typer.BadParameter(f"--speech-mix must be one of {', '.join(SPEECH_MIXES)}")
     options = dict(
         out_dir=out, device=device, seed=seed, rate=rate, modality=modality, torch_threads=torch_threads,
         decode_replicas=decode_replicas, preprocess_replicas=preprocess_replicas, model_cpus=model_cpus,
     )
-    speech = dict(speech_clips=speech_clips, speech_rate=speech_rate, speech_load=speech_load, speech_seed=speech_seed, speech_rows=speech_rows)
+    speech = dict(speech_clips=speech_clips, speech_rate=speech_rate, speech_load=speech_load, speech_seed=speech_seed, speech_rows=speech_rows,
+                  speech_mix=speech_mix)
     options.update({k: v for k, v in speech.items() if v is not None})  # else the preset's
     if quick:
         # --quick runs the poisson scenario unless scenarios were named explicitly.

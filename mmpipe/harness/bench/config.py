@@ -11,6 +11,7 @@ from pathlib import Path
 from mmpipe.schemas.events import LOW_PRIORITY
 
 SCENARIOS = ("poisson", "bursty", "degraded", "mixed", "priority", "efficiency", "speech")
+SPEECH_MIXES = ("uniform", "short-heavy")  # clip lengths of the speech scenario (speech.sentences_per_clip)
 MODALITIES = ("image", "audio", "text")
 # The load for the latency check: a share of the pipeline's own saturation throughput.
 TARGET_LOAD = 0.7
@@ -72,7 +73,9 @@ class BenchConfig:
     policies: tuple[str, ...] = ("dynamic", "off", "static")  # which of the main three run
     result_timeout_s: float = 600.0
     # Speech scenario (speech.py); the defaults are the recorded run's.
-    speech_clips: int = 16
+    # 48: with 8 KV slots, 16 clips were two batches' worth, mostly fill and drain; the policies
+    # differ in the steady state between them (benchmarks/results/speech-mixes-cpu-2026-12-05.txt).
+    speech_clips: int = 48
     # Poisson arrivals per second; None: speech_load x the clips per second this machine serves
     # one at a time (measured first), so every machine sees the same overload, not the same rate.
     speech_rate: float | None = None
@@ -80,6 +83,7 @@ class BenchConfig:
     speech_seed: int = 7
     speech_rows: int = 8  # KV-cache slots: the budget is rows x one sequence's reservation
     speech_max_clip_s: float = 25.0
+    speech_mix: str = "uniform"  # clip lengths: uniform | short-heavy (speech.sentences_per_clip)
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> BenchConfig:

@@ -213,15 +213,16 @@ def _offered(speech: dict[str, Any]) -> str:
 
 def speech_table(speech: dict[str, Any]) -> Table:
     """One row per decoder scheduling policy, same clips and arrivals, and the peer's row."""
-    table = Table(title=f"speech to text, decoder scheduling policies: {speech['clips']} espeak-ng clips "
+    table = Table(title=f"speech to text, decoder scheduling policies: {speech['clips']} espeak-ng clips, {speech['mix']} lengths "
                         f"({speech['audio_s']} s of audio), Poisson {speech['rate_per_s']:g}/s{_offered(speech)}, seed {speech['seed']}, "
                         f"{speech['runs'][0]['rows']} KV slots, on {speech['device']} (latency and TTFT from each clip's arrival)")
-    cols = ("policy", "decoder tok/s", "rows/step", "encoder s", "audio s/s", "latency p50/p99 s", "TTFT p50/p99 s",
+    cols = ("policy", "decoder tok/s", "rows/step", "live rows", "encoder s", "audio s/s", "latency p50/p99 s", "TTFT p50/p99 s",
             "KV peak/budget MB", "WER", "truncated", "cpu own/other")
     for col in cols:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in speech["runs"]:
-        table.add_row(r["policy"], f"{r['decoder_tokens_per_s']:.1f}", f"{r['mean_step_rows']:.1f}", f"{r['encoder_s']:.1f}",
+        table.add_row(r["policy"], f"{r['decoder_tokens_per_s']:.1f}", f"{r['mean_step_rows']:.1f}",
+                      f"{r['live_row_steps'] / max(r['steps'], 1):.1f}", f"{r['encoder_s']:.1f}",
                       f"{r['audio_s_per_s']:.1f}", f"{r['latency_p50_s']:.1f} / {r['latency_p99_s']:.1f}",
                       f"{r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f}",
                       f"{r['kv_peak_bytes'] / 1e6:.0f} / {r['kv_budget_bytes'] / 1e6:.0f}", f"{r['wer']:.3f}", str(r["truncated"]),
@@ -229,7 +230,7 @@ def speech_table(speech: dict[str, Any]) -> Table:
     peer = speech["peer"]
     if "audio_s_per_s" in peer:
         same = f"same tokens {speech['clips_where_peer_tokens_equal_continuous']}/{speech['clips']}"
-        table.add_row(f"peer: {peer['peer']}", "", "", "", f"{peer['audio_s_per_s']:.1f}", "", "", "", same, "", "")
+        table.add_row(f"peer: {peer['peer']}", "", "", "", "", f"{peer['audio_s_per_s']:.1f}", "", "", "", same, "", "")
     else:
         table.add_row(f"peer: {peer['peer']} not run: {peer.get('error')}", *[""] * (len(cols) - 1))
     return table

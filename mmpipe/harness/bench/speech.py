@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpipe.harness.bench.config import BenchConfig
+from mmpipe.harness.bench.config import SPEECH_MIXES, BenchConfig
 from mmpipe.harness.bench.resources import ResourceSampler
 
 SENTENCES = (
@@ -55,14 +55,26 @@ def threads(cfg: BenchConfig) -> int:
     return cfg.torch_threads or max(1, min(8, os.cpu_count() or 2))
 
 
-def make_clips(count: int, rng: np.random.Generator, max_clip_s: float) -> list[tuple[str, np.ndarray]]:
+def sentences_per_clip(mix: str, rng: np.random.Generator) -> int:
+    """How many sentences a clip speaks. "uniform": 1 to 7 alike (clips of about 2-22 s, so a
+    request-level batch pads only a quarter to a third of its row-steps); "short-heavy": four
+    clips in five are one sentence (1-3 s), the fifth is as long as fits (dictation among voice
+    commands), so the longest row of a batch is several times its mean."""
+    if mix == "uniform":
+        return int(rng.integers(1, 8))
+    if mix == "short-heavy":
+        return 1 if rng.random() < 0.8 else len(SENTENCES)
+    raise ValueError(f"unknown speech mix {mix!r}; choose from {', '.join(SPEECH_MIXES)}")
+
+
+def make_clips(count: int, rng: np.random.Generator, max_clip_s: float, mix: str = "uniform") -> list[tuple[str, np.ndarray]]:
     """Mixed lengths: one sentence (1-3 s) up to several (at most max_clip_s)."""
     from mmpipe.models.whisper import SAMPLE_RATE
     from mmpipe.stages.decode.samples import speech_pcm
 
     clips = []
     for _ in range(count):
-        chosen = list(rng.choice(SENTENCES, size=int(rng.integers(1, 8)), replace=False))
+        chosen = list(rng.choice(SENTENCES, size=sentences_per_clip(mix, rng), replace=False))
         while True:
             pcm = speech_pcm(" ".join(chosen), lead_s=0.3, tail_s=0.3)
             if pcm.size <= max_clip_s * SAMPLE_RATE or len(chosen) == 1:
@@ -116,7 +128,8 @@ def _run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arr
                               max_new_tokens=model.max_new_tokens, mode=mode)
     pending = deque(sorted(zip(arrivals.tolist(), range(len(ready)))))
     sequences: dict[int, Sequence] = {}
-    encoder.seconds, decoder_s, tokens, peak_reserved, step_rows = 0.0, 0.0, 0, 0, []
+    encoder.seconds, decoder_s, tokens, peak_reserved, step_rows, live_rows = 0.0, 0.0, 0, 0, [], 0
+    step_cost: dict[int, list[float]] = {}  # rows -> decoder seconds of each step with that many
     t0 = time.perf_counter()
     while pending or policy.waiting or policy.active:
         now = time.perf_counter() - t0
@@ -132,9 +145,12 @@ def _run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arr
         peak_reserved = max(peak_reserved, policy.reserved)
         tokens += sum(1 for s in policy.active if s.samples_now)
         step_rows.append(len(iteration.tokens))
+        live_rows += sum(1 for s in policy.active if s.reason is None)  # the rest are request-level padding
         encoder_before, started = encoder.seconds, time.perf_counter()
         next_tokens = model.run_iteration(iteration)
-        decoder_s += time.perf_counter() - started - (encoder.seconds - encoder_before)
+        step_s = time.perf_counter() - started - (encoder.seconds - encoder_before)
+        decoder_s += step_s
+        step_cost.setdefault(len(iteration.tokens), []).append(step_s)
         policy.advance(next_tokens, time.perf_counter() - t0)
     makespan = time.perf_counter() - t0
     done = [sequences[i] for i in range(len(ready))]
@@ -147,12 +163,40 @@ def _run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arr
         "audio_s_per_s": round(audio_s / makespan, 2),
         "audio_s_per_busy_s": round(audio_s / (decoder_s + encoder.seconds), 2),
         "mean_step_rows": round(float(np.mean(step_rows)), 2),
+        "steps": len(step_rows), "row_steps": int(sum(step_rows)), "live_row_steps": live_rows,
+        "step_ms_by_rows": {str(rows): {"steps": len(v), "mean_ms": round(1000 * float(np.mean(v)), 2)}
+                            for rows, v in sorted(step_cost.items())},
         "latency_p50_s": round(float(np.percentile(latency, 50)), 3), "latency_p99_s": round(float(np.percentile(latency, 99)), 3),
         "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3), "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
         "kv_peak_bytes": peak_reserved, "kv_budget_bytes": budget,
         "truncated": sum(s.reason == "length" for s in done),
         "texts": [model.output(s.payload, s.generated, s.reason or "length")["text"] for s in done],
         "sequences": [s.generated for s in done],
+    }
+
+
+def scheduling_ceiling(runs: dict[str, dict[str, Any]], min_steps: int = 3) -> dict[str, Any]:
+    """How far any decoder scheduler could get beyond this request-level run, from two facts of
+    the run: the request-level batches' padding (row-steps that were not live sequences, set by
+    how the spoken lengths differ within a batch) and the cheapest measured cost of a row in a
+    step (the step cost per row falls with rows and is lowest near a full step). The ideal
+    scheduler steps only live rows, all at that cheapest cost; its decoder tokens/s over
+    request-level is the ceiling of continuous / request-level on these clips and slots."""
+    request = runs["request"]
+    pooled: dict[int, list[float]] = {}  # rows -> [steps, total ms] over every policy's steps
+    for run in runs.values():
+        for rows, cost in run["step_ms_by_rows"].items():
+            total = pooled.setdefault(int(rows), [0, 0.0])
+            total[0] += cost["steps"]
+            total[1] += cost["steps"] * cost["mean_ms"]
+    steps = {r: t for r, t in pooled.items() if t[0] >= min_steps} or pooled
+    rows = min(steps, key=lambda r: steps[r][1] / steps[r][0] / r)
+    row_ms = steps[rows][1] / steps[rows][0] / rows
+    ideal_s = request["live_row_steps"] * row_ms / 1000
+    return {
+        "padding_share": round(1 - request["live_row_steps"] / max(request["row_steps"], 1), 3),
+        "cheapest_row_ms": round(row_ms, 3), "at_rows": rows,
+        "ceiling": round(request["decoder_s"] / ideal_s, 2),
     }
 
 
@@ -199,7 +243,7 @@ def run(cfg: BenchConfig, device: str, say: Callable[[str], None]) -> dict[str, 
     normalize = jiwer.Compose([jiwer.ToLowerCase(), jiwer.RemovePunctuation(), jiwer.RemoveMultipleSpaces(), jiwer.Strip()])
     rng = np.random.default_rng(cfg.speech_seed)
     spec = WhisperSpec()
-    clips = make_clips(cfg.speech_clips, rng, cfg.speech_max_clip_s)
+    clips = make_clips(cfg.speech_clips, rng, cfg.speech_max_clip_s, cfg.speech_mix)
     ready = [spec.preprocess({"pcm": pcm}, {"sample_rate": SAMPLE_RATE}) for _, pcm in clips]
     model = spec.load(device, "", False)
     n_threads = threads(cfg)
@@ -231,7 +275,7 @@ def run(cfg: BenchConfig, device: str, say: Callable[[str], None]) -> dict[str, 
     return {
         "weights": f"{model.weights} ({spec.config.description}; run in {str(model.dtype).removeprefix('torch.')})",
         "model": f"{spec.config.name}:{spec.config.version}", "device": device,
-        "clips": len(clips), "audio_s": round(audio_s, 1),
+        "mix": cfg.speech_mix, "clips": len(clips), "audio_s": round(audio_s, 1),
         "clip_s": [round(pcm.size / SAMPLE_RATE, 1) for _, pcm in clips],
         "rate_per_s": rate, "load": cfg.speech_load if capacity else None,
         "one_at_a_time_clips_per_s": round(capacity, 3) if capacity else None, "seed": cfg.speech_seed, "threads": n_threads,
@@ -239,6 +283,7 @@ def run(cfg: BenchConfig, device: str, say: Callable[[str], None]) -> dict[str, 
             by["continuous"]["decoder_tokens_per_s"] / by["request"]["decoder_tokens_per_s"], 2),
         "continuous_vs_off_decoder_tokens_per_s": round(
             by["continuous"]["decoder_tokens_per_s"] / by["off"]["decoder_tokens_per_s"], 2),
+        "scheduling_ceiling": scheduling_ceiling(by),
         "peer": {k: v for k, v in peer.items() if k != "tokens"},
         "clips_where_peer_tokens_equal_continuous": sum(a == b for a, b in zip(peer["tokens"], generated["continuous"])),
         "clips_where_policies_agree": sum(a == b == c for a, b, c in zip(*generated.values())),

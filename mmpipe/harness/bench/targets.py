@@ -383,6 +383,11 @@ def _speech(speech: dict[str, Any]) -> list[dict[str, Any]]:
               f"{off['encoder_s']}/{req['encoder_s']}/{cont['encoder_s']}; audio s/s end to end "
               f"{off['audio_s_per_s']}/{req['audio_s_per_s']}/{cont['audio_s_per_s']}, {peer_text}; other users' CPU up to "
               f"{max(r['resources']['other_busy_cores'] for r in speech['runs']):.2f} cores during the runs")
+    ceiling = speech["scheduling_ceiling"]
+    detail += (f"; {speech['mix']} clip lengths: {ceiling['padding_share']:.0%} of request-level's row-steps were "
+               f"padding; stepping only live rows, each at the cheapest measured cost per row "
+               f"({ceiling['cheapest_row_ms']:.2f} ms at {ceiling['at_rows']} rows), would gain {ceiling['ceiling']:.2f}x "
+               f"over request-level: continuous reached {gain / ceiling['ceiling']:.0%} of that ceiling")
     if gain < SPEECH_DECODER_GAIN:
         detail += f"; short by {SPEECH_DECODER_GAIN - gain:.2f}x"
     if not p99_ok:
