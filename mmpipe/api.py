@@ -26,7 +26,6 @@ import hmac
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -66,9 +65,6 @@ FINISHED_STATES = frozenset(TERMINAL_STATE.values())
 ENVELOPE_BYTES = 64 * 1024
 READY_CHECK_TIMEOUT_S = 2.0
 RETRY_AFTER_S = "2"
-# Jobs whose publish failed after they were recorded; a retry with the same job_id publishes
-# them instead of answering "already known". Bounded: only a broker outage fills it.
-MAX_UNPUBLISHED_REMEMBERED = 10_000
 
 
 # Errors -----------------------------------------------------------------------------------------
@@ -450,7 +446,6 @@ class ApiRuntime:
         self.link = BrokerLink(settings)
         self.listener = ResultListener(settings, self.store.get_result)
         self.sync_waiters = 0
-        self._unpublished: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> None:
         await asyncio.to_thread(all_specs)  # imports torch once, before the first request needs it
@@ -466,23 +461,17 @@ class ApiRuntime:
         await self.store.close()
 
     async def submit(self, event: MediaEvent, model: str) -> bool:
-        """Record and publish a new job. False, publishing nothing, when the job_id is known."""
+        """Record and publish a new job. False, publishing nothing, when the job_id is known
+        and its event reached Kafka. A job recorded whose publish failed (the store says so,
+        so this holds across API restarts) is published by its resubmission; a duplicate
+        event from a race here costs work, never a second result (the sink keys by job_id)."""
         await self.link.producer()  # a broker that is down refuses before anything is recorded
         created = await self.store.accept_job(event, model)
-        if not created and event.job_id not in self._unpublished:
+        if not created and not await self.store.is_unpublished(event.job_id):
             return False
-        try:
-            await self.link.publish(event)
-        except BrokerUnavailable:
-            self._remember_unpublished(event.job_id)
-            raise
-        self._unpublished.pop(event.job_id, None)
+        await self.link.publish(event)
+        await self.store.mark_accepted(event.job_id)
         return True
-
-    def _remember_unpublished(self, job_id: str) -> None:
-        self._unpublished[job_id] = None
-        while len(self._unpublished) > MAX_UNPUBLISHED_REMEMBERED:
-            self._unpublished.popitem(last=False)
 
     @contextlib.asynccontextmanager
     async def sync_slot(self) -> AsyncIterator[None]:

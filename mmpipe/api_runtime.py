@@ -75,6 +75,12 @@ class StoreWorker:
     async def accept_job(self, event: MediaEvent, model: str) -> bool:
         return await self.call(self.store.accept_job, event.job_id, event.modality, model, event.created_at)
 
+    async def mark_accepted(self, job_id: str) -> None:
+        await self.call(self.store.mark_accepted, job_id, time.time())
+
+    async def is_unpublished(self, job_id: str) -> bool:
+        return await self.call(self.store.is_unpublished, job_id)
+
     async def get_job(self, job_id: str) -> JobRecord | None:
         return await self.call(self.store.get_job, job_id)
 

@@ -217,6 +217,38 @@ async def test_same_job_id_twice_is_one_job_published_once(api_settings):
     assert await events_published(api_settings, job_id) == 1
 
 
+async def test_a_job_whose_publish_failed_is_published_by_its_resubmission_after_a_restart(api_settings):
+    """The broker fails the publish after the job was recorded: 503, nothing in Kafka, the job
+    `accepted` with no accepted time. The API restarts; the client retries with the same job_id:
+    now it is published (once) and answered, not refused as already known."""
+    from mmpipe.api_runtime import BrokerUnavailable
+
+    job_id = new_id("unpub")
+    body = {"modality": "text", "text": "published on the second try", "job_id": job_id}
+    async with running_app(api_settings) as app, client_for(app) as client:
+        await until_ready(client)
+
+        async def broker_fails(event):
+            raise BrokerUnavailable("publish failed (injected)")
+
+        app.state.runtime.link.publish = broker_fails
+        refused = await client.post("/v1/jobs", json=body)
+        assert refused.status_code == 503 and refused.json()["error"] == "broker_unavailable", refused.text
+        job = (await client.get(f"/v1/jobs/{job_id}")).json()
+        assert job["status"] == "accepted" and "accepted" not in job["timestamps"]
+    assert await events_published(api_settings, job_id) == 0
+
+    async with api(api_settings) as client:  # a new process's state: nothing remembered in memory
+        retried = await client.post("/v1/jobs", json=body)
+        assert retried.status_code == 202, retried.text
+        done = await poll_until_finished(client, retried.json()["status_url"])
+        again = await client.post("/v1/jobs", json=body)
+    assert done["status"] == "done" and done["result"]["prediction"]["embedding"]
+    assert again.status_code == 200 and again.json()["status"] == "done"
+    assert done["timestamps"]["accepted"] <= done["timestamps"]["finished"]
+    assert await events_published(api_settings, job_id) == 1
+
+
 # Refusals ---------------------------------------------------------------------------------------
 async def test_v1_routes_need_the_bearer_token(api_settings):
     job_id = new_id("noauth")

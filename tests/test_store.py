@@ -121,10 +121,27 @@ def test_accept_job_is_idempotent(store: ResultStore) -> None:
     job_id = new_job_id()
     assert store.accept_job(job_id, "video", "resnet18:1", T0) is True
     assert store.accept_job(job_id, "audio", "other:9", T0 + 5) is False
+    store.mark_accepted(job_id, T0 + 1)
     job = store.get_job(job_id)
     assert (job.state, job.modality, job.model, job.created_at) == ("accepted", "video", "resnet18:1", T0)
-    assert set(job.state_times) == {"accepted"}
+    assert job.state_times == {"accepted": T0 + 1}
     assert store.counts()["jobs"] == 1
+
+
+def test_a_job_whose_publish_failed_stays_unpublished_until_marked(store: ResultStore) -> None:
+    """Recorded but never published: the store remembers it (the API republishes on a resubmit,
+    after a restart too); the accepted time is the publish's, stamped once; a job the pipeline
+    has reached is never unpublished, even if the stamp was lost."""
+    job_id, reached = new_job_id(), new_job_id()
+    store.accept_job(job_id, "image", "resnet18:1", T0)
+    store.accept_job(reached, "image", "resnet18:1", T0)
+    assert store.is_unpublished(job_id) and store.get_job(job_id).state_times == {}
+    store.mark_accepted(job_id, T0 + 1)
+    store.mark_accepted(job_id, T0 + 9)
+    assert not store.is_unpublished(job_id) and store.get_job(job_id).state_times == {"accepted": T0 + 1}
+    store.record_status(reached, "decoding", T0 + 2)
+    assert not store.is_unpublished(reached)
+    assert not store.is_unpublished(new_job_id())  # unknown
 
 
 def test_status_only_moves_forward(store: ResultStore) -> None:

@@ -76,7 +76,17 @@ class ResultStore(abc.ABC):
 
     @abc.abstractmethod
     def accept_job(self, job_id: str, modality: str, model: str | None, created_at: float) -> bool:
-        """Record a newly submitted job; False if the job_id is already known."""
+        """Record a newly submitted job, not yet published (no `accepted` time); False if the
+        job_id is already known."""
+
+    @abc.abstractmethod
+    def mark_accepted(self, job_id: str, at: float) -> None:
+        """The job's event is in Kafka: stamp its `accepted` time (once)."""
+
+    @abc.abstractmethod
+    def is_unpublished(self, job_id: str) -> bool:
+        """Recorded, but its event never reached Kafka (still `accepted` with no `accepted`
+        time): a resubmission publishes it, also after an API restart."""
 
     @abc.abstractmethod
     def record_status(self, job_id: str, state: str, at: float) -> None: ...

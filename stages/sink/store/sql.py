@@ -164,12 +164,21 @@ class SqlStore(ResultStore):
         with self._transaction() as cur:
             cur.execute(
                 self._q(
-                    "INSERT INTO jobs (job_id, state, modality, model, created_at, updated_at, accepted_at)"
-                    " VALUES (?, 'accepted', ?, ?, ?, ?, ?) ON CONFLICT (job_id) DO NOTHING"
+                    "INSERT INTO jobs (job_id, state, modality, model, created_at, updated_at)"
+                    " VALUES (?, 'accepted', ?, ?, ?, ?) ON CONFLICT (job_id) DO NOTHING"
                 ),
-                (job_id, modality, model, created_at, now, now),
+                (job_id, modality, model, created_at, now),
             )
             return cur.rowcount == 1
+
+    def mark_accepted(self, job_id: str, at: float) -> None:
+        with self._transaction() as cur:
+            cur.execute(self._q("UPDATE jobs SET accepted_at = ? WHERE job_id = ? AND accepted_at IS NULL"), (at, job_id))
+
+    def is_unpublished(self, job_id: str) -> bool:
+        with self._transaction(write=False) as cur:
+            cur.execute(self._q("SELECT 1 FROM jobs WHERE job_id = ? AND state = 'accepted' AND accepted_at IS NULL"), (job_id,))
+            return cur.fetchone() is not None
 
     def record_status(self, job_id: str, state: str, at: float) -> None:
         # Locked like finalisation: _advance reads the state, then writes it, and two writers
