@@ -1,6 +1,7 @@
 """Speech to text end to end through real stage processes (Whisper tiny.en, real packaged
 weights, served by the continuous batcher): a video's spoken track comes back as text, silence
-as an empty transcript, and audio longer than one 30 s window is transcribed per window."""
+as an empty transcript, and audio longer than one 30 s window is transcribed per window, cut in
+a pause."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def words(text: str) -> set[str]:
 def media(media_dir):
     speech = samples.speech_pcm(samples.SPEECH_TEXT, lead_s=0.5, tail_s=0.5)
     first, second = samples.speech_pcm(FIRST, lead_s=1.0, tail_s=0.0), samples.speech_pcm(SECOND, lead_s=0.0, tail_s=1.0)
-    gap = np.zeros(32 * RATE - first.size, dtype=np.float32)  # the second sentence starts at 32 s
+    # The second sentence starts at 28.6 s and runs past 30 s: the window is cut in the pause
+    # before it (a fixed cut at 30 s split its words between two windows).
+    gap = np.zeros(int(28.6 * RATE) - first.size, dtype=np.float32)
     files = {
         "video": media_dir / "talking.mp4",
         "silence": media_dir / "silence.wav",
@@ -57,8 +60,8 @@ def test_speech_comes_back_as_text_silence_as_nothing_and_long_audio_per_window(
                                                 "weights": "pretrained"}
     assert silence.prediction["segments"] == []
 
-    assert long.parts == 2  # two 30 s windows
+    assert long.parts == 2  # two windows of at most 30 s
     first, second = long.prediction["transcript"]["segments"]
-    assert first["start_s"] < 5 and second["start_s"] >= 31.5
+    assert first["start_s"] < 5 and 28.0 <= second["start_s"] < 30.0 < second["end_s"]
     assert {"good", "morning", "everyone", "meeting"} <= words(first["text"]), first["text"]
     assert {"close", "door", "leave"} <= words(second["text"]), second["text"]

@@ -399,14 +399,42 @@ def decode_text(data: bytes) -> str:
         raise MediaError("undecodable_text", f"text payload is not UTF-8: {exc}") from None
 
 
+PAUSE_FRAME_S = 0.1  # the resolution of a window cut
+PAUSE_SEARCH = 1 / 3  # a cut falls in the last third of a full window
+
+
 def windows(pcm: np.ndarray, sample_rate: int, window_s: float | None) -> Iterator[tuple[float, np.ndarray]]:
-    """Cut PCM into (offset_s, chunk) windows; the last one may be shorter."""
+    """Cut PCM into contiguous (offset_s, chunk) windows of at most window_s; the last one may
+    be shorter. Where more audio follows, a window ends in the quietest PAUSE_FRAME_S of its
+    last third, so a word spoken across a fixed 30 s mark is not split between two windows
+    (each is heard alone by the model, and half a word is a wrong word or none)."""
     if not window_s:
         yield 0.0, pcm
         return
-    step = int(window_s * sample_rate)
-    for start in range(0, max(pcm.size, 1), step):
-        yield start / sample_rate, pcm[start : start + step]
+    size = int(window_s * sample_rate)
+    start = 0
+    while pcm.size - start > size:
+        end = start + quietest_cut(pcm[start : start + size], sample_rate)
+        yield start / sample_rate, pcm[start:end]
+        start = end
+    yield start / sample_rate, pcm[start:]
+
+
+def quietest_cut(chunk: np.ndarray, sample_rate: int) -> int:
+    """The sample in the last third of `chunk` at the middle of its quietest frame; the latest
+    one on a tie, and the chunk's end when that is its last frame, so silence or steady noise
+    keeps windows full (a 60 s silence is two windows, not two and a crumb)."""
+    frame = max(1, int(PAUSE_FRAME_S * sample_rate))
+    low = int(chunk.size * (1 - PAUSE_SEARCH))
+    frames = (chunk.size - low) // frame
+    if frames < 1:
+        return chunk.size
+    region = chunk[chunk.size - frames * frame :].astype(np.float32, copy=False)
+    energy = np.square(region).reshape(frames, frame).mean(axis=1)
+    latest_quietest = frames - 1 - int(np.argmin(energy[::-1]))
+    if latest_quietest == frames - 1:
+        return chunk.size
+    return chunk.size - frames * frame + latest_quietest * frame + frame // 2
 
 
 DECODERS = {"image": decode_image, "audio": decode_audio, "video": decode_video}
