@@ -178,6 +178,8 @@ def test_tiny_speech_scenario_is_consistent(tmp_path):
     assert ceiling["padding_share"] == round(1 - runs["request"]["live_row_steps"] / runs["request"]["row_steps"], 3)
     assert all(sum(c["steps"] for c in r["step_ms_by_rows"].values()) == r["steps"] for r in runs.values())
     assert ceiling["ceiling"] > 0 and ceiling["cheapest_row_ms"] > 0
+    assert all(0 < r["fill_s"] < r["decoder_s"] for r in runs.values())  # one fill per clip, inside the steps
+    assert ceiling["fill_s"] == min(r["fill_s"] for r in runs.values())
     assert speech["continuous_vs_request_decoder_tokens_per_s"] == pytest.approx(
         runs["continuous"]["decoder_tokens_per_s"] / runs["request"]["decoder_tokens_per_s"], abs=0.01)
     assert "error" not in speech["peer"] and speech["peer"]["audio_s_per_s"] > 0

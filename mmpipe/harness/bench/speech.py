@@ -105,20 +105,39 @@ def _timed_encoder(inner: Any) -> Any:
     return TimedEncoder()
 
 
-def run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arrivals: np.ndarray,
+class TimedFill:
+    """Wraps the decoder's fill_cross: a joining sequence's cross-attention keys and values over
+    the 1,500 encoder frames, computed inside the step it joins. Every policy fills each
+    sequence once; timed apart so that a step's cost per row is the step's own (a step that
+    carries a join is otherwise the costliest of its row count)."""
+
+    def __init__(self, inner: Callable[..., None]) -> None:
+        self.inner, self.seconds = inner, 0.0
+
+    def __call__(self, cache: Any, rows: list[int], memory: Any) -> None:
+        started = time.perf_counter()
+        self.inner(cache, rows, memory)
+        if memory.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(memory.device)
+        self.seconds += time.perf_counter() - started
+
+
+def run_policy(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], audio_s: float, arrivals: np.ndarray,
                mode: str, rows: int) -> dict[str, Any]:
     """One policy over the seeded arrivals, in real time; texts and tokens come back per clip.
     The machine's CPU is sampled over the run, so load from other users shows beside it."""
     sampler = ResourceSampler()
     sampler.watch("bench", os.getpid())
     sampler.begin()
-    result = _run_policy(model, encoder, ready, audio_s, arrivals, mode, rows)
+    result = _run_policy(model, encoder, fill, ready, audio_s, arrivals, mode, rows)
     window = sampler.end()
     result["resources"] = {k: window[k] for k in ("cpu_cores", "machine_busy_cores", "other_busy_cores", "machine_cores")}
     return result
 
 
-def _run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arrivals: np.ndarray,
+def _run_policy(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], audio_s: float, arrivals: np.ndarray,
                 mode: str, rows: int) -> dict[str, Any]:
     from mmpipe.streams.continuous import ContinuousPolicy, Sequence
 
@@ -128,8 +147,8 @@ def _run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arr
                               max_new_tokens=model.max_new_tokens, mode=mode)
     pending = deque(sorted(zip(arrivals.tolist(), range(len(ready)))))
     sequences: dict[int, Sequence] = {}
-    encoder.seconds, decoder_s, tokens, peak_reserved, step_rows, live_rows = 0.0, 0.0, 0, 0, [], 0
-    step_cost: dict[int, list[float]] = {}  # rows -> decoder seconds of each step with that many
+    encoder.seconds, fill.seconds, decoder_s, tokens, peak_reserved, step_rows, live_rows = 0.0, 0.0, 0.0, 0, 0, [], 0
+    step_cost: dict[int, list[float]] = {}  # rows -> seconds of each step with that many, joins' fills apart
     t0 = time.perf_counter()
     while pending or policy.waiting or policy.active:
         now = time.perf_counter() - t0
@@ -146,11 +165,11 @@ def _run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arr
         tokens += sum(1 for s in policy.active if s.samples_now)
         step_rows.append(len(iteration.tokens))
         live_rows += sum(1 for s in policy.active if s.reason is None)  # the rest are request-level padding
-        encoder_before, started = encoder.seconds, time.perf_counter()
+        encoder_before, fill_before, started = encoder.seconds, fill.seconds, time.perf_counter()
         next_tokens = model.run_iteration(iteration)
         step_s = time.perf_counter() - started - (encoder.seconds - encoder_before)
         decoder_s += step_s
-        step_cost.setdefault(len(iteration.tokens), []).append(step_s)
+        step_cost.setdefault(len(iteration.tokens), []).append(step_s - (fill.seconds - fill_before))
         policy.advance(next_tokens, time.perf_counter() - t0)
     makespan = time.perf_counter() - t0
     done = [sequences[i] for i in range(len(ready))]
@@ -158,7 +177,8 @@ def _run_policy(model: Any, encoder: Any, ready: list[dict], audio_s: float, arr
     ttft = np.array([s.first_token_at - s.arrived for s in done])
     return {
         "policy": mode, "rows": rows, "tokens": tokens,
-        "decoder_s": round(decoder_s, 3), "encoder_s": round(encoder.seconds, 3), "makespan_s": round(makespan, 3),
+        "decoder_s": round(decoder_s, 3), "fill_s": round(fill.seconds, 3), "encoder_s": round(encoder.seconds, 3),
+        "makespan_s": round(makespan, 3),
         "decoder_tokens_per_s": round(tokens / decoder_s, 1),
         "audio_s_per_s": round(audio_s / makespan, 2),
         "audio_s_per_busy_s": round(audio_s / (decoder_s + encoder.seconds), 2),
@@ -179,9 +199,10 @@ def scheduling_ceiling(runs: dict[str, dict[str, Any]], min_steps: int = 3) -> d
     """How far any decoder scheduler could get beyond this request-level run, from two facts of
     the run: the request-level batches' padding (row-steps that were not live sequences, set by
     how the spoken lengths differ within a batch) and the cheapest measured cost of a row in a
-    step (the step cost per row falls with rows and is lowest near a full step). The ideal
-    scheduler steps only live rows, all at that cheapest cost; its decoder tokens/s over
-    request-level is the ceiling of continuous / request-level on these clips and slots."""
+    step (the step cost per row falls with rows and is lowest near a full step), joins' fills
+    apart. The ideal scheduler steps only live rows, all at that cheapest cost, and fills each
+    sequence's cross-attention once (the least any policy's fills took); its decoder tokens/s
+    over request-level is the ceiling of continuous / request-level on these clips and slots."""
     request = runs["request"]
     pooled: dict[int, list[float]] = {}  # rows -> [steps, total ms] over every policy's steps
     for run in runs.values():
@@ -192,10 +213,11 @@ def scheduling_ceiling(runs: dict[str, dict[str, Any]], min_steps: int = 3) -> d
     steps = {r: t for r, t in pooled.items() if t[0] >= min_steps} or pooled
     rows = min(steps, key=lambda r: steps[r][1] / steps[r][0] / r)
     row_ms = steps[rows][1] / steps[rows][0] / rows
-    ideal_s = request["live_row_steps"] * row_ms / 1000
+    fill_s = min(run["fill_s"] for run in runs.values())
+    ideal_s = request["live_row_steps"] * row_ms / 1000 + fill_s
     return {
         "padding_share": round(1 - request["live_row_steps"] / max(request["row_steps"], 1), 3),
-        "cheapest_row_ms": round(row_ms, 3), "at_rows": rows,
+        "cheapest_row_ms": round(row_ms, 3), "at_rows": rows, "fill_s": round(fill_s, 3),
         "ceiling": round(request["decoder_s"] / ideal_s, 2),
     }
 
@@ -224,12 +246,12 @@ def run_peer(ready: list[dict], audio_s: float, threads: int, prompt: list[int],
             "tokens": [r.sequences_ids[0] for r in results]}
 
 
-def one_at_a_time_capacity(model: Any, encoder: Any, ready: list[dict], audio_s: float, rows: int) -> float:
+def one_at_a_time_capacity(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], audio_s: float, rows: int) -> float:
     """Clips per second the "off" policy serves with every clip queued at once: this machine's
     capacity one sequence at a time, which the default offered rate is a multiple of. (A fixed
     rate, 2/s, overloaded one 2-core machine 2.6 times and left a faster one nearly idle, where
     every policy steps one row at a time and the policies cannot differ.)"""
-    burst = run_policy(model, encoder, ready, audio_s, np.zeros(len(ready)), "off", rows)
+    burst = run_policy(model, encoder, fill, ready, audio_s, np.zeros(len(ready)), "off", rows)
     return len(ready) / burst["makespan_s"]
 
 
@@ -250,11 +272,13 @@ def run(cfg: BenchConfig, device: str, say: Callable[[str], None]) -> dict[str, 
     torch.set_num_threads(n_threads)  # after the VAD load, which sets one thread process-wide
     encoder = _timed_encoder(model.net.encoder)
     model.net.encoder = encoder
+    fill = TimedFill(model.net.decoder.fill_cross)
+    model.net.decoder.fill_cross = fill
     model.warmup()
     audio_s = sum(pcm.size for _, pcm in clips) / SAMPLE_RATE
     capacity, rate = None, cfg.speech_rate
     if rate is None:
-        capacity = one_at_a_time_capacity(model, encoder, ready, audio_s, cfg.speech_rows)
+        capacity = one_at_a_time_capacity(model, encoder, fill, ready, audio_s, cfg.speech_rows)
         rate = round(cfg.speech_load * capacity, 3)
         say(f"speech: one at a time this machine serves {capacity:.2f} clips/s; offering {cfg.speech_load:g}x: {rate:g}/s")
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(clips)))
@@ -264,7 +288,7 @@ def run(cfg: BenchConfig, device: str, say: Callable[[str], None]) -> dict[str, 
 
     runs, generated = [], {}
     for mode in MODES:
-        result = run_policy(model, encoder, ready, audio_s, arrivals, mode, cfg.speech_rows)
+        result = run_policy(model, encoder, fill, ready, audio_s, arrivals, mode, cfg.speech_rows)
         result["wer"] = round(jiwer.wer(references, [normalize(t) for t in result.pop("texts")]), 3)
         generated[mode] = result.pop("sequences")
         runs.append(result)

@@ -386,7 +386,8 @@ def _speech(speech: dict[str, Any]) -> list[dict[str, Any]]:
     ceiling = speech["scheduling_ceiling"]
     detail += (f"; {speech['mix']} clip lengths: {ceiling['padding_share']:.0%} of request-level's row-steps were "
                f"padding; stepping only live rows, each at the cheapest measured cost per row "
-               f"({ceiling['cheapest_row_ms']:.2f} ms at {ceiling['at_rows']} rows), would gain {ceiling['ceiling']:.2f}x "
+               f"({ceiling['cheapest_row_ms']:.2f} ms at {ceiling['at_rows']} rows), plus each sequence's "
+               f"cross-attention fill ({ceiling['fill_s']:.2f} s in all), would gain {ceiling['ceiling']:.2f}x "
                f"over request-level: continuous reached {gain / ceiling['ceiling']:.0%} of that ceiling")
     if gain < SPEECH_DECODER_GAIN:
         detail += f"; short by {SPEECH_DECODER_GAIN - gain:.2f}x"
