@@ -147,7 +147,7 @@ def _run_policy(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], au
                               max_new_tokens=model.max_new_tokens, mode=mode)
     pending = deque(sorted(zip(arrivals.tolist(), range(len(ready)))))
     sequences: dict[int, Sequence] = {}
-    encoder.seconds, fill.seconds, decoder_s, tokens, peak_reserved, step_rows, live_rows = 0.0, 0.0, 0.0, 0, 0, [], 0
+    encoder.seconds, fill.seconds, decoder_s, tokens, peak_reserved, live_rows = 0.0, 0.0, 0.0, 0, 0, 0
     step_cost: dict[int, list[float]] = {}  # rows -> seconds of each step with that many, joins' fills apart
     t0 = time.perf_counter()
     while pending or policy.waiting or policy.active:
@@ -163,7 +163,6 @@ def _run_policy(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], au
             continue
         peak_reserved = max(peak_reserved, policy.reserved)
         tokens += sum(1 for s in policy.active if s.samples_now)
-        step_rows.append(len(iteration.tokens))
         live_rows += sum(1 for s in policy.active if s.reason is None)  # the rest are request-level padding
         encoder_before, fill_before, started = encoder.seconds, fill.seconds, time.perf_counter()
         next_tokens = model.run_iteration(iteration)
@@ -172,6 +171,8 @@ def _run_policy(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], au
         step_cost.setdefault(len(iteration.tokens), []).append(step_s - (fill.seconds - fill_before))
         policy.advance(next_tokens, time.perf_counter() - t0)
     makespan = time.perf_counter() - t0
+    steps = sum(len(v) for v in step_cost.values())
+    row_steps = sum(rows * len(v) for rows, v in step_cost.items())
     done = [sequences[i] for i in range(len(ready))]
     latency = np.array([s.finished_at - s.arrived for s in done])
     ttft = np.array([s.first_token_at - s.arrived for s in done])
@@ -182,8 +183,8 @@ def _run_policy(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], au
         "decoder_tokens_per_s": round(tokens / decoder_s, 1),
         "audio_s_per_s": round(audio_s / makespan, 2),
         "audio_s_per_busy_s": round(audio_s / (decoder_s + encoder.seconds), 2),
-        "mean_step_rows": round(float(np.mean(step_rows)), 2),
-        "steps": len(step_rows), "row_steps": int(sum(step_rows)), "live_row_steps": live_rows,
+        "mean_step_rows": round(row_steps / max(steps, 1), 2),
+        "steps": steps, "row_steps": row_steps, "live_row_steps": live_rows,
         "step_ms_by_rows": {str(rows): {"steps": len(v), "mean_ms": round(1000 * float(np.mean(v)), 2)}
                             for rows, v in sorted(step_cost.items())},
         "latency_p50_s": round(float(np.percentile(latency, 50)), 3), "latency_p99_s": round(float(np.percentile(latency, 99)), 3),

@@ -173,7 +173,7 @@ class SqlStore(ResultStore):
 
     def mark_accepted(self, job_id: str, at: float) -> None:
         with self._transaction() as cur:
-            cur.execute(self._q("UPDATE jobs SET accepted_at = ? WHERE job_id = ? AND accepted_at IS NULL"), (at, job_id))
+            self._stamp(cur, job_id, "accepted", at)
 
     def is_unpublished(self, job_id: str) -> bool:
         with self._transaction(write=False) as cur:
