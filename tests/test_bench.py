@@ -281,3 +281,25 @@ def test_priority_figures_and_starvation_check_from_the_traces():
     out = io.StringIO()
     Console(file=out, width=200).print(report.priority_table(run))
     assert "p0: 3, 2.40/2 s p2: 1, 0.20/0 s" in out.getvalue()
+
+
+def _done(job_id, created_at, completed_at):
+    from mmpipe.schemas import JobResult, Timings
+
+    return JobResult(job_id=job_id, status="ok", modality="image", model=None, prediction=None, timings=Timings(),
+                     created_at=created_at, completed_at=completed_at)
+
+
+def test_saturation_throughput_is_the_staircase_slope_while_fed_and_not_a_clump():
+    from mmpipe.harness.bench import stats
+
+    # A steady closed loop: a batch of 4 every 0.1 s for 2 s, a job published per completion.
+    steady = [_done(f"s{i}", 0.0 if i < 8 else 0.1 * (i // 4 - 2), 0.1 * (i // 4) + 0.001 * (i % 4)) for i in range(80)]
+    assert stats.run_stats(steady, 80, flood=True)["throughput"] == pytest.approx(40, rel=0.1)
+
+    # A tiny flood: the only completions before the last arrival are one batch finishing within
+    # 3 ms; a line through them would claim 1000+ jobs/s. The run's count is used instead.
+    tiny = [_done(f"t{i}", 0.0, 0.5 + 0.001 * i) for i in range(4)]
+    tiny += [_done(f"t{i}", 0.6, 1.0 + 0.25 * (i - 4)) for i in range(4, 8)]
+    figure = stats.run_stats(tiny, 8, flood=True)["throughput"]
+    assert figure == pytest.approx(7 / (1.75 - 0.5), rel=1e-3)

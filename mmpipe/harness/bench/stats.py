@@ -34,6 +34,10 @@ SAME_BATCH_S = 1e-4
 # Saturation throughput skips this share of the completions while fed: the ramp-up (an empty
 # pipeline filling) is not the steady state.
 STEADY_SKIP = 0.1
+# ... and falls back to the count between the first and last completion unless the fed
+# completions span at least this share of all completions' time: a window of one or two batches
+# finishing within milliseconds of each other gives a slope of thousands of jobs/s.
+STEADY_MIN_SPAN = 0.25
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -191,7 +195,7 @@ def _steady_throughput(ok: list[JobResult]) -> float:
     done = np.sort([r.completed_at for r in ok])
     fed = done[done <= last_arrival]
     lo = int(STEADY_SKIP * len(fed))
-    if len(fed) - lo < 4 or fed[-1] <= fed[lo]:
+    if len(fed) - lo < 4 or fed[-1] - fed[lo] <= STEADY_MIN_SPAN * (done[-1] - done[0]):
         return _throughput(ok)
     return float(np.polyfit(fed[lo:], np.arange(lo, len(fed)), 1)[0])
 
