@@ -278,6 +278,13 @@ def test_priority_figures_and_starvation_check_from_the_traces():
     ratio, _ = targets._priorities({"runs": [baseline, {**run, "mechanisms": True}, better]})
     assert ratio["measured"] == pytest.approx(fig["high_over_low_p99"], abs=1e-3)
     assert "(dyn no-expedite no-lanes): 0.900" in ratio["detail"] and "the worst of" in ratio["detail"]
+    # The high jobs alone (the floor run): the best ratio the loaded runs could reach.
+    alone = stats.priority_stats([_job("A1", 0, 0.5, 0.5), _job("A2", 0, 1.2, 1.2)], aging_s=1.0)
+    floor_run = {"scenario": "priority floor", "label": "dyn", "priority": alone}
+    ratio, _ = targets._priorities({"runs": [run, floor_run]})
+    alone_p99 = alone["levels"]["0"]["e2e_ms"]["p99"]
+    assert f"p99 {alone_p99:.0f} ms" in ratio["detail"]
+    assert f"below {alone_p99 / fig['levels']['2']['e2e_ms']['p99']:.3f}" in ratio["detail"]
     out = io.StringIO()
     Console(file=out, width=200).print(report.priority_table(run))
     assert "p0: 3, 2.40/2 s p2: 1, 0.20/0 s" in out.getvalue()

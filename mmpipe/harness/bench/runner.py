@@ -318,6 +318,19 @@ class Runner:
             self.say(f"priority levels ({run['label']}): "
                      + "; ".join(f"{p}: {v['ok']} ok, p99 {v['e2e_ms']['p99']:.0f} ms" for p, v in levels.items())
                      + f"; overtaken beyond the starvation bound at the batcher: {figures['starvation']['beyond_bound']}")
+        self.priority_floor(schedule, policy, rate)
+
+    def priority_floor(self, schedule: list[traffic.Arrival], policy: Policy, rate: float) -> None:
+        """The high-priority jobs of the same schedule, at the same times, with nothing else in
+        the pipeline: their p99 is the least any priority policy could give them on this
+        machine (no preemption of a running batch), so floor p99 / low p99 is the best ratio
+        the loaded runs could reach."""
+        high = min(a.priority for a in schedule)
+        alone = [a for a in schedule if a.priority == high]
+        self.fresh_start(policy, Topology())
+        run = self.execute(alone, "priority floor", policy, load=self.cfg.priority_load * len(alone) / len(schedule),
+                           rate=rate * len(alone) / len(schedule), simulate_it=False)
+        run["priority"] = stats.priority_stats(self.bench.fetch(run["tag"]), self.bench.settings.scheduling.aging_s)
 
     def sweep(self) -> None:
         flooded = {self.policies["headline"].max_batch}

@@ -119,6 +119,11 @@ def _priorities(result: dict[str, Any]) -> list[dict[str, Any]]:
         detail += f"; same schedule without lanes or expedite ({baselines[0]['label']}): " + ", ".join(_ratio(r) for r in baselines)
     if ratio is not None and ratio > PRIORITY_P99:
         detail += f"; over by {ratio / PRIORITY_P99:.2f}x"
+    floor = _floor(result, levels[str(high)], levels[str(low)]) if levels and high != low else None
+    if floor:
+        detail += (f"; the same priority {high} jobs with nothing else in the pipeline: p99 {floor['alone_p99_ms']:.0f} ms "
+                   f"(under load {floor['loaded_over_alone']:.2f}x that), so no priority policy without preemption could "
+                   f"read below {floor['best_ratio']:.3f} against this run's low p99")
     checks = [_check("priorities: high-priority p99 / low-priority p99", ratio, round(PRIORITY_P99, 3),
                      None if ratio is None else ratio <= PRIORITY_P99, detail, _high_path(levels[str(high)], high) if levels else None)]
     pairs = "; ".join(f"priority {k.split('<-')[0]} overtaken by {k.split('<-')[1]}: {v['jobs_overtaken']} jobs, largest lead "
@@ -140,6 +145,18 @@ def _priorities(result: dict[str, Any]) -> list[dict[str, Any]]:
     checks.append(_check("priorities: jobs overtaken beyond the starvation bound (inference batcher)", starve["beyond_bound"], 0,
                          starve["beyond_bound"] == 0 if checked else None, detail))
     return checks
+
+
+def _floor(result: dict[str, Any], high: dict[str, Any], low: dict[str, Any]) -> dict[str, float] | None:
+    """The priority floor run (the high jobs alone, runner.priority_floor) against a loaded run."""
+    alone = next((r["priority"] for r in result["runs"] if r["scenario"] == "priority floor" and "priority" in r), None)
+    if alone is None or not alone["levels"]:
+        return None
+    alone_p99 = next(iter(alone["levels"].values()))["e2e_ms"]["p99"]
+    if not alone_p99 or not low["e2e_ms"]["p99"]:
+        return None
+    return {"alone_p99_ms": alone_p99, "loaded_over_alone": round(high["e2e_ms"]["p99"] / alone_p99, 3),
+            "best_ratio": round(alone_p99 / low["e2e_ms"]["p99"], 3)}
 
 
 def _ratio(run: dict[str, Any]) -> str:
