@@ -155,6 +155,8 @@ class JobView(BaseModel):
     created_at: float | None = None
     updated_at: float | None = None
     timestamps: dict[str, float] = Field(default_factory=dict, description="epoch seconds each state was reached")
+    published: bool = Field(True, description="false while the job's event is not in Kafka: its publish is under way "
+                            "or failed; if it stays false, submit the same job again")
     result: dict[str, Any] | None = Field(None, description="the JobResult, once the job has finished")
 
 
@@ -521,6 +523,8 @@ def view_of_record(request: Request, record: JobRecord, result: JobResult | None
         "created_at": record.created_at,
         "updated_at": record.updated_at,
         "timestamps": record.state_times,
+        # Recorded before the publish, stamped `accepted` after it: no stamp, no event in Kafka.
+        "published": record.state != "accepted" or "accepted" in record.state_times,
         "result": None if result is None else msgspec.to_builtins(result),
     }
 
@@ -535,6 +539,7 @@ def view_of_result(request: Request, result: JobResult) -> dict[str, Any]:
         "created_at": result.created_at,
         "updated_at": result.completed_at,
         "timestamps": {"finished": result.completed_at},
+        "published": True,
         "result": msgspec.to_builtins(result),
     }
 

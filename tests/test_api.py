@@ -235,7 +235,7 @@ async def test_a_job_whose_publish_failed_is_published_by_its_resubmission_after
         refused = await client.post("/v1/jobs", json=body)
         assert refused.status_code == 503 and refused.json()["error"] == "broker_unavailable", refused.text
         job = (await client.get(f"/v1/jobs/{job_id}")).json()
-        assert job["status"] == "accepted" and "accepted" not in job["timestamps"]
+        assert job["status"] == "accepted" and "accepted" not in job["timestamps"] and job["published"] is False
     assert await events_published(api_settings, job_id) == 0
 
     async with api(api_settings) as client:  # a new process's state: nothing remembered in memory
@@ -243,7 +243,7 @@ async def test_a_job_whose_publish_failed_is_published_by_its_resubmission_after
         assert retried.status_code == 202, retried.text
         done = await poll_until_finished(client, retried.json()["status_url"])
         again = await client.post("/v1/jobs", json=body)
-    assert done["status"] == "done" and done["result"]["prediction"]["embedding"]
+    assert done["status"] == "done" and done["result"]["prediction"]["embedding"] and done["published"] is True
     assert again.status_code == 200 and again.json()["status"] == "done"
     assert done["timestamps"]["accepted"] <= done["timestamps"]["finished"]
     assert await events_published(api_settings, job_id) == 1
