@@ -26,10 +26,10 @@ from mmpipe.schemas.events import (
     SCHEMA_VERSION,
     DeadLetter,
     JobResult,
-    JobStatus,
     MediaEvent,
     ModelRef,
     Prediction,
+    StatusReport,
 )
 
 from mmpipe.schemas.errors import BadMessage, Refused  # noqa: F401  (BadMessage: re-exported)
@@ -120,8 +120,8 @@ def decode_result(raw: bytes) -> JobResult:
     return from_json(raw, JobResult)
 
 
-def decode_status(raw: bytes) -> JobStatus:
-    return from_json(raw, JobStatus)
+def decode_status(raw: bytes) -> StatusReport:
+    return from_json(raw, StatusReport)
 
 
 # --------------------------------------------------------------------------------------------

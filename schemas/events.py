@@ -4,7 +4,7 @@ External contract (producers write it):  MediaEvent                        -> to
 Internal contracts (stages write them):   WorkItem (binary, carries tensors) -> `decoded`, `ready`
                                           Prediction                         -> `predictions`
                                           DeadLetter                         -> `dead-letter`
-                                          JobStatus                          -> `status`
+                                          StatusReport (JobStatus entries)   -> `status`
                                           WorkerState                        -> `workers`
 Output contract (downstream reads it):    JobResult                          -> `results` + store
 
@@ -158,6 +158,13 @@ class JobStatus(msgspec.Struct, frozen=True):
     state: JobState
     at: float
     stage: str
+
+
+class StatusReport(msgspec.Struct, frozen=True):
+    """One stage process's status reports of one flush window (streams/status.py)."""
+
+    entries: list[JobStatus]
+    schema_version: int = SCHEMA_VERSION
 
 
 class WorkerState(msgspec.Struct, frozen=True):

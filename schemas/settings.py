@@ -132,6 +132,9 @@ class Settings(BaseSettings):
     # wrong; single-record batches keep it exact. Apache Kafka is right either way: set False
     # there to let producers batch.
     single_record_batches: bool = True
+    # Status reports ("decoding", "preprocessing") are a live view, sent coalesced: one record
+    # per stage process per this many seconds (streams/status.py), not one per job.
+    status_flush_s: float = Field(0.1, ge=0.0)
 
     # --- Backpressure and admission -----------------------------------------------------
     # In-flight items per assigned partition: pause the partition at `high`, resume at `low`.

@@ -65,6 +65,8 @@ class PreprocessStage(Stage):
                 modality=item.modality, model=item.model, created_at=item.created_at,
                 trace=item.trace, detail="deadline passed before preprocess", priority=item.priority,
             )]
+        if item.part == 0:
+            self.report_status(item.job_id, "preprocessing", started)
         try:
             ready = await self._pool.run(item.priority, self._preprocess, item)
         except BadMessage as exc:
@@ -74,11 +76,8 @@ class PreprocessStage(Stage):
             return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(failed_part(item, exc)))]
         ready.trace["preprocess_out"] = time.time()
         self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
-        out = [Outgoing(self.topics.lane(READY, ready.priority), message.key or item.job_id.encode(), encode_work_item(ready),
-                        self._place(item.model.name))]
-        if item.part == 0:
-            out.append(self.status(item.job_id, "preprocessing"))
-        return out
+        return [Outgoing(self.topics.lane(READY, ready.priority), message.key or item.job_id.encode(), encode_work_item(ready),
+                         self._place(item.model.name))]
 
     def _place(self, model: str) -> int | None:
         """The ready partition for one item of `model` (None: its key's hash partition)."""

@@ -6,6 +6,7 @@ A message is acked only after every output it caused has been acknowledged by th
 faust commits the highest contiguous acked offset (streams/transport.py): at-least-once with no
 gap. Between take and ack the partition gate counts it in flight (backpressure.py); the
 downstream admission (admission.py) is fed from here with lag read-outs and sent counts.
+Status reports are not outputs: they are sent coalesced, off this path (status.py).
 MessageDelivery carries one message; StageRuntime wires it to faust.
 """
 
@@ -36,6 +37,7 @@ from mmpipe.streams.metrics import StageMonitor, serve_metrics
 from mmpipe.streams.poison import PoisonGuard
 from mmpipe.streams.retry import retry_async
 from mmpipe.streams.stage import Incoming, Outgoing, Stage
+from mmpipe.streams.status import StatusReporter
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +214,10 @@ class StageRuntime:
             shedding=lambda: stage.shedding,
         )
         stage.admit = self._admit
+        stage.status_reporter = StatusReporter(
+            stage.name, stage.topics.status, self._publish, self.settings.status_flush_s,
+            on_drop=lambda n: self.metrics.errors.labels(stage.name, "status_report_dropped").inc(n),
+        )
         self.poison = PoisonGuard(
             self.settings.state_path("poison", f"{group_id(self.settings, stage.name)}.db"), self.settings.poison_max_crashes
         )
@@ -246,6 +252,8 @@ class StageRuntime:
 
     async def _on_shutdown(self, app: Any, **_: Any) -> None:
         await self.stage.stop()
+        if self.stage.status_reporter is not None:
+            await self.stage.status_reporter.close()
         if self._lag_reader is not None:
             await self._lag_reader.close()
 
@@ -278,7 +286,10 @@ class StageRuntime:
         await self.delivery.process(_incoming(event.message), event.ack, tp)
 
     async def _produce(self, out: Outgoing) -> asyncio.Future[Any]:
-        return await self.app.producer.send(out.topic, out.key, out.value, out.partition, None, None)
+        return await self._publish(out.topic, out.key, out.value, out.partition)
+
+    async def _publish(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> asyncio.Future[Any]:
+        return await self.app.producer.send(topic, key, value, partition, None, None)
 
     # Lag and admission ----------------------------------------------------------------------
     async def _admit(self, message: Incoming, priority: int) -> bool:

@@ -13,16 +13,16 @@ database or broker is down. The runtime is cut by role, like aiokafka's consumer
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from mmpipe.schemas import JobStatus, ModelRef, Prediction, to_json
+from mmpipe.schemas import ModelRef, Prediction, to_json
 from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.kafka import stage_input_topics
 from mmpipe.streams.metrics import StageMetrics
+from mmpipe.streams.status import StatusReporter
 from mmpipe.streams.topics import TopicNames
 
 Admit = Callable[["Incoming", int], Awaitable[bool]]
@@ -78,6 +78,7 @@ class Stage(abc.ABC):
         self.backlog = 0  # this group's lag, refreshed by the runtime, decremented per message
         self.admit: Admit | None = None  # set by the runtime (admission.py)
         self.assigned: frozenset[int] = frozenset()  # partitions of the first input topic, kept by the runtime
+        self.status_reporter: StatusReporter | None = None  # set by the runtime; None: no reports
 
     async def wait_for_room(self, message: Incoming, priority: int = NORMAL_PRIORITY) -> bool:
         """Admission: wait until the next stage has room for this message's work (True), or
@@ -126,7 +127,7 @@ class Stage(abc.ABC):
         )
         return Outgoing(self.topics.predictions, job_id.encode(), to_json(prediction))
 
-    def status(self, job_id: str, state: str) -> Outgoing:
-        return Outgoing(
-            self.topics.status, job_id.encode(), to_json(JobStatus(job_id, state, time.time(), self.name))
-        )
+    def report_status(self, job_id: str, state: str, at: float) -> None:
+        """Report that work on a job started (a live view, sent coalesced: streams/status.py)."""
+        if self.status_reporter is not None:
+            self.status_reporter.report(job_id, state, at)

@@ -3,12 +3,14 @@
     events ──decode──▶ decoded ──preprocess──▶ ready ──inference──▶ predictions ──sink──▶ results
        │                  │                      │                       ▲                 (compacted)
        └──────────────────┴──────────────────────┴──▶ dead-letter ───────┘
-    decode, preprocess ──▶ status ──▶ sink (job status table; `inferring` is stamped by the sink)
+    decode, preprocess ──▶ status ──▶ sink (job status table, a live view; coalesced reports,
+                                          and the sink stamps every state's time from traces)
     high priority: events.high ──decode──▶ decoded.high ──preprocess──▶ ready.high ──inference──▶
     inference ──▶ workers ──▶ preprocess's router (compacted; only with scheduling.routing)
 
-All keys are job IDs, so every message of one job lands on the same partition of each topic,
-and the sink that assembles a job's parts sees all of them. With routing on, preprocess picks
+All work keys are job IDs (a status record's is its reporting process), so every message of
+one job lands on the same partition of each topic, and the sink that assembles a job's parts
+sees all of them. With routing on, preprocess picks
 the `ready` partition itself (parts of one job may run on different inference workers); the
 predictions are still keyed by job ID, so the sink still assembles them.
 
@@ -51,7 +53,8 @@ READY = TopicSpec("ready", "model-ready tensors (WorkItem binary)")
 PREDICTIONS = TopicSpec("predictions", "per-part model outputs (Prediction JSON)")
 RESULTS = TopicSpec("results", "one result per job_id (JobResult JSON)", compacted=True)
 DEAD_LETTER = TopicSpec("dead-letter", "input that cannot be processed, with a reason")
-STATUS = TopicSpec("status", "job state transitions reported by the stages", compacted=True)
+# Not compacted: a record holds many jobs' reports under its reporting process's key.
+STATUS = TopicSpec("status", "job state transitions reported by the stages (StatusReport JSON, coalesced)")
 WORKERS = TopicSpec("workers", "inference workers' state for routing onto ready (WorkerState JSON)", compacted=True)
 EVENTS_HIGH = TopicSpec("events.high", "high-priority media events (the events lane of priority 0)")
 DECODED_HIGH = TopicSpec("decoded.high", "high-priority decoded work (the decoded lane of priority 0)")

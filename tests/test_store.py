@@ -201,6 +201,33 @@ def test_a_stored_part_the_model_ran_stamps_inferring(store: ResultStore) -> Non
     assert "inferring" not in store.get_job(unrun).state_times
 
 
+def test_a_finished_job_has_every_state_time_from_its_traces_when_reports_were_lost(store: ResultStore) -> None:
+    """Status reports are a live view sent off the ack path (streams/status.py): when they are
+    lost, storing the result fills each state's time from the earliest trace among the parts;
+    a report that did arrive keeps its time."""
+    job_id = new_job_id()
+    store.accept_job(job_id, "video", None, T0)
+    store.record_status(job_id, "preprocessing", T0 + 1.5)  # this one report arrived
+    parts = [frame(job_id, part, 2) for part in range(2)]
+    for part, (decode_in, preprocess_in, batch_end) in zip(parts, [(T0 + 0.2, T0 + 1.2, T0 + 2.5), (T0 + 0.2, T0 + 1.1, T0 + 2.1)]):
+        part.trace.update(decode_in=decode_in, preprocess_in=preprocess_in, batch_end=batch_end)
+    assert store.record_part(parts[0], assemble) is None
+    final = store.record_part(parts[1], assemble)
+    job = store.get_job(job_id)
+    assert job.state == "done"
+    assert job.state_times == {
+        "decoding": T0 + 0.2, "preprocessing": T0 + 1.5, "inferring": T0 + 2.5, "finished": final.result.completed_at,
+    }
+
+    expired = new_job_id()  # decoded, then expired before preprocess: no reports, no model run
+    late = expired_part(expired, 0, 1)
+    late.trace.update(decode_in=T0 + 0.3)
+    store.record_part(late, assemble)
+    job = store.get_job(expired)
+    assert (job.state, set(job.state_times)) == ("expired", {"decoding", "finished"})
+    assert job.state_times["decoding"] == T0 + 0.3
+
+
 def test_status_of_a_job_never_accepted_here_creates_it(store: ResultStore) -> None:
     job_id = new_job_id()
     store.record_status(job_id, "decoding", T0 + 1)

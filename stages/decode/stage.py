@@ -61,15 +61,14 @@ class DecodeStage(Stage):
             detail = (f"overloaded: {self.backlog} jobs wait for decode (max_backlog "
                       f"{self.settings.max_backlog}) and the next stage is full; retry later")
             return [self._answer(event, "rejected", started, detail)]
+        self.report_status(event.job_id, "decoding", started)
         payload = await read_payload(event.payload, self.settings)
         crash_point(self.settings, "decode.handle", event.job_id)
         media = await self._decode(event, payload, frame_spec)
         items = self._items(event, media, frame_spec, deadline, started)
         self.metrics.observe_service("decode", time.time() - started)
         key = event.job_id.encode()
-        return [self.status(event.job_id, "decoding")] + [
-            Outgoing(self.topics.lane(DECODED, item.priority), key, encode_work_item(item)) for item in items
-        ]
+        return [Outgoing(self.topics.lane(DECODED, item.priority), key, encode_work_item(item)) for item in items]
 
     # ---------------------------------------------------------------------------------------
     def _resolve(self, event: MediaEvent) -> ModelSpec:

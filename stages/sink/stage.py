@@ -53,8 +53,8 @@ class SinkStage(Stage):
     async def handle(self, message: Incoming) -> list[Outgoing]:
         sink_in = message.received_at
         if message.topic == self.topics.status:
-            status = decode_status(message.value)
-            await self._call(self.store.record_status, status.job_id, status.state, status.at)
+            report = decode_status(message.value)  # one stage process's reports: one group commit
+            await asyncio.gather(*(self._call(self.store.record_status, e.job_id, e.state, e.at) for e in report.entries))
             return []
         if message.topic == self.topics.dead_letter:
             final = await self._dead_letter(decode_dead_letter(message.value), sink_in)

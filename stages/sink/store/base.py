@@ -11,8 +11,10 @@ The contract every backend keeps (SQLite embedded default, PostgreSQL in product
   Once a result exists it never changes; later arrivals get the stored row back (to re-publish
   it if publishing had not been confirmed), and a differing one is recorded as a conflict.
 * jobs: a status row per job that only moves forward (accepted -> decoding -> preprocessing
-  -> inferring -> done | failed | expired | rejected), with a timestamp per state. `inferring`
-  comes from no status record: storing a part the model ran stamps it (its batch_end).
+  -> inferring -> done | failed | expired | rejected), with a timestamp per state. Status
+  reports (decoding, preprocessing) are a live view and may be lost; `inferring` comes from no
+  report: storing a part the model ran stamps it (its batch_end), and storing the result fills
+  every state time still empty from the parts' traces.
 * dead letters: one row per source message (topic, partition, offset).
 
 Backends raise StoreUnavailable for "try again later" conditions (locked, connection lost),

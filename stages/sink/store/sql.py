@@ -85,6 +85,8 @@ STATE_COLUMN = {
     "preprocessing": "preprocessing_at",
     "inferring": "inferring_at",
 }
+# The trace stamp each state's time comes from when no status report gave it.
+TRACE_OF_STATE = {"decoding": "decode_in", "preprocessing": "preprocess_in", "inferring": "batch_end"}
 
 
 def _outcome(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -247,10 +249,7 @@ class SqlStore(ResultStore):
                 if inferred_at is not None:
                     self._advance(cur, prediction.job_id, "inferring", inferred_at)
                 return None
-            final = self._finalize(cur, parts, assemble)
-            if inferred_at is not None:
-                self._stamp(cur, prediction.job_id, "inferring", inferred_at)
-            return final
+            return self._finalize(cur, parts, assemble)
 
     def _other_job(self, cur: Any, prediction: Prediction) -> JobIdConflict | None:
         """A part of another job that reuses this job's ID (a different payload digest) is
@@ -281,7 +280,21 @@ class SqlStore(ResultStore):
     def _finalize(self, cur: Any, parts: list[Prediction], assemble: Assemble) -> Final:
         result = assemble(parts)
         self._insert_result(cur, result)
+        self._stamp_traces(cur, result.job_id, parts)
         return Final(result, created=True, published=False)
+
+    def _stamp_traces(self, cur: Any, job_id: str, parts: list[Prediction]) -> None:
+        """Fill, in one statement, each state time that no status report filled, from the
+        earliest trace of that state among the parts: reports are a live view and may be lost
+        (streams/status.py), the traces travel with the work."""
+        times = {}
+        for state, key in TRACE_OF_STATE.items():
+            stamps = [p.trace[key] for p in parts if key in p.trace]
+            if stamps:
+                times[STATE_COLUMN[state]] = min(stamps)
+        if times:
+            sets = ", ".join(f"{column} = COALESCE({column}, ?)" for column in times)
+            cur.execute(self._q(f"UPDATE jobs SET {sets} WHERE job_id = ?"), (*times.values(), job_id))
 
     def record_result(self, result: JobResult) -> Final:
         with self._transaction(lock_key=result.job_id) as cur:
