@@ -212,8 +212,13 @@ class SqlStore(ResultStore):
 
     def _stamp(self, cur: Any, job_id: str, state: str, at: float) -> None:
         """Fill a state's time if it has none (a late or redelivered report), state unchanged."""
-        column = STATE_COLUMN.get(state, "finished_at")
-        cur.execute(self._q(f"UPDATE jobs SET {column} = COALESCE({column}, ?) WHERE job_id = ?"), (at, job_id))
+        self._fill_times(cur, job_id, {STATE_COLUMN.get(state, "finished_at"): at})
+
+    def _fill_times(self, cur: Any, job_id: str, times: dict[str, float]) -> None:
+        """Set each time column that is still empty, in one statement; the state is unchanged."""
+        if times:
+            sets = ", ".join(f"{column} = COALESCE({column}, ?)" for column in times)
+            cur.execute(self._q(f"UPDATE jobs SET {sets} WHERE job_id = ?"), (*times.values(), job_id))
 
     # Parts and results ----------------------------------------------------------------------
     def record_part(self, prediction: Prediction, assemble: Assemble) -> Final | JobIdConflict | None:
@@ -284,17 +289,15 @@ class SqlStore(ResultStore):
         return Final(result, created=True, published=False)
 
     def _stamp_traces(self, cur: Any, job_id: str, parts: list[Prediction]) -> None:
-        """Fill, in one statement, each state time that no status report filled, from the
-        earliest trace of that state among the parts: reports are a live view and may be lost
-        (streams/status.py), the traces travel with the work."""
+        """Fill each state time that no status report filled, from the earliest trace of that
+        state among the parts: reports are a live view and may be lost (streams/status.py), the
+        traces travel with the work."""
         times = {}
         for state, key in TRACE_OF_STATE.items():
             stamps = [p.trace[key] for p in parts if key in p.trace]
             if stamps:
                 times[STATE_COLUMN[state]] = min(stamps)
-        if times:
-            sets = ", ".join(f"{column} = COALESCE({column}, ?)" for column in times)
-            cur.execute(self._q(f"UPDATE jobs SET {sets} WHERE job_id = ?"), (*times.values(), job_id))
+        self._fill_times(cur, job_id, times)
 
     def record_result(self, result: JobResult) -> Final:
         with self._transaction(lock_key=result.job_id) as cur:
