@@ -84,6 +84,16 @@ def make_clips(count: int, rng: np.random.Generator, max_clip_s: float, mix: str
     return clips
 
 
+def _seconds_since(started: float, tensor: Any) -> float:
+    """Wall time since `started`, once the work queued on `tensor`'s GPU is done (CUDA runs
+    asynchronously, so the clock alone would time the launch)."""
+    if tensor.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter() - started
+
+
 def _timed_encoder(inner: Any) -> Any:
     """Wraps the encoder to bill its time apart from the decoder steps' (synchronised on a GPU)."""
     import torch
@@ -97,9 +107,7 @@ def _timed_encoder(inner: Any) -> Any:
         def forward(self, mel: torch.Tensor) -> torch.Tensor:
             started = time.perf_counter()
             out = self.inner(mel)
-            if out.is_cuda:
-                torch.cuda.synchronize(out.device)
-            self.seconds += time.perf_counter() - started
+            self.seconds += _seconds_since(started, out)
             return out
 
     return TimedEncoder()
@@ -117,11 +125,7 @@ class TimedFill:
     def __call__(self, cache: Any, rows: list[int], memory: Any) -> None:
         started = time.perf_counter()
         self.inner(cache, rows, memory)
-        if memory.is_cuda:
-            import torch
-
-            torch.cuda.synchronize(memory.device)
-        self.seconds += time.perf_counter() - started
+        self.seconds += _seconds_since(started, memory)
 
 
 def run_policy(model: Any, encoder: Any, fill: TimedFill, ready: list[dict], audio_s: float, arrivals: np.ndarray,
