@@ -3,6 +3,7 @@ dir and a real PostgreSQL server on loopback (tests/pg.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmpipe.stages.sink.store import Final, ResultStore, StoreUnavailable, open_store
+from mmpipe.stages.sink.store.group import GroupCommit
 from mmpipe.stages.sink.store.postgres import POOL_MAX_SIZE, PostgresStore
 from mmpipe.stages.sink.store.sqlite import SqliteStore
 from mmpipe.schemas import DeadLetter, JobResult, ModelRef, Prediction
@@ -393,6 +395,40 @@ def test_group_commit_stores_all_and_isolates_a_failing_call(store: ResultStore)
     again = store.run_group([(store.record_part, (image(j), assemble)) for j in jobs[:2]])
     assert [o.created for o in again] == [False, False]
     assert store.counts()["results"] == 2
+
+
+def test_concurrent_writers_share_transactions_and_each_hears_its_own_outcome(store: ResultStore) -> None:
+    """GroupCommit (the sink's and the job API's): calls queued while a transaction runs share
+    the next one; each caller gets its own call's outcome, a failing call fails only itself,
+    and a group the store refuses reaches every caller instead of leaving one waiting."""
+    runs: list[int] = []
+    real_run_group = store.run_group
+
+    def counted(calls: list) -> list:
+        runs.append(len(calls))
+        return real_run_group(calls)
+
+    store.run_group = counted  # type: ignore[method-assign]
+    jobs = [new_job_id() for _ in range(12)]
+
+    def broken() -> None:
+        raise ValueError("a bug in one call")
+
+    async def scenario() -> tuple[list, list]:
+        with ThreadPoolExecutor(1) as thread:
+            group = GroupCommit(store, thread)
+            first = await asyncio.gather(*(group.outcome(store.accept_job, j, "text", None, T0) for j in jobs),
+                                         group.outcome(broken), group.outcome(store.accept_job, jobs[0], "text", None, T0))
+            store.run_group = lambda calls: (_ for _ in ()).throw(StoreUnavailable("down"))  # type: ignore[method-assign]
+            refused = await asyncio.wait_for(asyncio.gather(*(group.outcome(store.mark_accepted, j, T0) for j in jobs[:3])), 10)
+        return first, refused
+
+    first, refused = asyncio.run(scenario())
+    assert first[:12] == [True] * 12 and first[13] is False  # the 14th call found the 1st's row
+    assert isinstance(first[12], ValueError)
+    assert sum(runs) == 14 and len(runs) < 14  # calls that queued together shared a transaction
+    assert all(isinstance(o, StoreUnavailable) for o in refused)
+    assert all(store.get_job(j).state == "accepted" for j in jobs)
 
 
 def test_dead_letters_are_idempotent_per_source_message(store: ResultStore) -> None:

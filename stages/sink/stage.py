@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from mmpipe.stages.sink.store import Final, ResultStore, StoreUnavailable, open_store
+from mmpipe.stages.sink.store.group import GroupCommit
 from mmpipe.schemas import (
     DeadLetter,
     JobResult,
@@ -32,7 +33,6 @@ from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, Stag
 log = logging.getLogger(__name__)
 
 MERGE_GAP_S = 0.05  # speech segments split only by an audio window boundary are joined
-GROUP_COMMIT_MAX = 256  # store calls per transaction
 
 
 class SinkStage(Stage):
@@ -43,8 +43,7 @@ class SinkStage(Stage):
         self._db = ThreadPoolExecutor(1, thread_name_prefix="store")
         self.store: ResultStore = open_store(self.settings.store_url)
         self.store.init_schema()
-        self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future]] = []
-        self._flusher: asyncio.Task | None = None
+        self._group = GroupCommit(self.store, self._db)
 
     async def stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._db, self.store.close)
@@ -90,12 +89,8 @@ class SinkStage(Stage):
         return await self._call(self.store.record_result, failed_result(letter, sink_in))
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Queue a store call for the next group commit and wait for its own outcome."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((fn, args, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
-        outcome = await future
+        """Run a store call in the next group commit and return its own outcome."""
+        outcome = await self._group.outcome(fn, *args)
         if isinstance(outcome, StoreUnavailable):
             raise DependencyUnavailable(str(outcome)) from outcome
         if isinstance(outcome, Exception):
@@ -105,21 +100,6 @@ class SinkStage(Stage):
             log.error("store call %s failed with an unclassified error; retrying", fn.__name__, exc_info=outcome)
             raise DependencyUnavailable(f"unclassified store error: {type(outcome).__name__}: {outcome}") from outcome
         return outcome
-
-    async def _flush(self) -> None:
-        """Group commit: the calls that queued while the previous transaction ran share the
-        next one. At light load a call runs alone at once; under load one commit serves many."""
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            group, self._pending = self._pending[:GROUP_COMMIT_MAX], self._pending[GROUP_COMMIT_MAX:]
-            calls = [(fn, args) for fn, args, _ in group]
-            try:
-                outcomes = await loop.run_in_executor(self._db, self.store.run_group, calls)
-            except StoreUnavailable as exc:
-                outcomes = [exc] * len(group)
-            for (_, _, future), outcome in zip(group, outcomes):
-                if not future.done():
-                    future.set_result(outcome)
 
 
 # Assembly: parts -> one result ----------------------------------------------------------------
