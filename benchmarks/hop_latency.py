@@ -3,7 +3,8 @@ pipeline's size costs from `send` to the producer's ack and to a group consumer'
 priority scenario's rate (10 % of the records on a second topic, like the high lane). Both
 producer batchings in one run: single-record batches (the embedded default, exact lag) and
 aiokafka's default batching. Compare with the topic waits (`queue_*`) of `mmpipe bench
---scenario priority`: what exceeds this there is the stage processes', not the broker's.
+--scenario priority`: what exceeds this there is the stage processes', not the broker's. It also
+prints the broker's CPU per record, to set beside its CPU per job in `mmpipe bench`.
 
     .venv/bin/python benchmarks/hop_latency.py [--rate 27] [--size 263000] [--seconds 15]
 """
@@ -18,6 +19,8 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+import psutil
 
 from mmpipe.streams.broker import EmbeddedBroker, free_port
 
@@ -88,9 +91,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     port = free_port()
-    with EmbeddedBroker(port=port):
+    runs, broker_ms = {}, {}
+    with EmbeddedBroker(port=port) as broker:
         bootstrap = f"127.0.0.1:{port}"
-        runs = {single: asyncio.run(one_run(bootstrap, f"hop{int(single)}", single, args)) for single in (True, False)}
+        process = psutil.Process(broker.process.pid)
+        for single in (True, False):
+            before = sum(process.cpu_times()[:2])
+            runs[single] = asyncio.run(one_run(bootstrap, f"hop{int(single)}", single, args))
+            records = sum(len(f["hop"]) for f in runs[single].values())
+            broker_ms[single] = 1000 * (sum(process.cpu_times()[:2]) - before) / max(records, 1)
     print(f"one hop on the embedded broker, nothing else running: {args.rate:g} records/s, {args.size} B each, "
           f"{args.seconds:g} s, {HIGH_SHARE:.0%} on the second topic; ms")
     for single, found in runs.items():
@@ -99,6 +108,8 @@ def main() -> None:
             print(f"  {'single-record batches' if single else 'default batching':22s} {lane:4s} n={len(hop):4d}  "
                   f"send->ack p50/p99 {percentile_ms(ack, .5):5.1f}/{percentile_ms(ack, .99):5.1f}  "
                   f"send->consumer p50/p99 {percentile_ms(hop, .5):5.1f}/{percentile_ms(hop, .99):5.1f}")
+        print(f"  {'':22s} broker CPU {broker_ms[single]:.2f} ms per record (written once, read by one group; "
+              "the run's set-up and idle polling included)")
 
 
 if __name__ == "__main__":
