@@ -55,7 +55,9 @@ class DownstreamAdmission:
         self._poll_s = poll_s
         self._lag: dict[int, int] = {}  # next stage's lag per output partition, see count_sent
         self._admitting: Counter[int] = Counter()  # admitted messages whose output is not sent yet
-        self._reserved: set[tuple[int, int]] = set()  # (partition, offset) of those messages
+        # (topic, partition, offset) of those messages: a stage reads two lanes, whose offsets
+        # are independent, so a partition and an offset alone name two messages at times.
+        self._reserved: set[tuple[str, int, int]] = set()
 
     @property
     def known(self) -> bool:
@@ -85,7 +87,7 @@ class DownstreamAdmission:
     def estimate(self, partition: int) -> int:
         return self.lag_at(partition) + self._admitting[partition]
 
-    async def wait_for_room(self, partition: int, offset: int, priority: int = NORMAL_PRIORITY) -> bool:
+    async def wait_for_room(self, partition: int, offset: int, priority: int = NORMAL_PRIORITY, *, topic: str = "") -> bool:
         """Wait until the next stage has room for this message's work (True), or give up at
         once while the stage sheds load (False). Waiters take room in rank order (priority,
         aged: streams/priority.py). A True reserves room until release()."""
@@ -98,13 +100,15 @@ class DownstreamAdmission:
                 await self._sleep(self._poll_s)
         finally:
             order.leave(turn)
-        self._admitting[partition] += 1
-        self._reserved.add((partition, offset))
+        key = (topic, partition, offset)
+        if key not in self._reserved:  # a retried handler admits the same message again
+            self._reserved.add(key)
+            self._admitting[partition] += 1
         return True
 
-    def release(self, partition: int, offset: int) -> None:
+    def release(self, partition: int, offset: int, *, topic: str = "") -> None:
         """The message's outputs are sent (or it failed): its reservation ends."""
-        key = (partition, offset)
+        key = (topic, partition, offset)
         if key in self._reserved:
             self._reserved.discard(key)
             self._admitting[partition] -= 1

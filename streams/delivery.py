@@ -23,6 +23,7 @@ from typing import Any
 
 import faust
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from faust.exceptions import ProducerSendError
 from faust.sensors.prometheus import FaustMetrics
 from prometheus_client import REGISTRY
 
@@ -129,8 +130,18 @@ class Sender:
         )
 
     async def _send_once(self, outgoing: list[Outgoing]) -> list[Any]:
-        futures = [await self._send(out) for out in outgoing]
+        futures = [await self._queue(out) for out in outgoing]
         return list(await asyncio.gather(*futures))
+
+    async def _queue(self, out: Outgoing) -> asyncio.Future[Any]:
+        try:
+            return await self._send(out)
+        except ProducerSendError as exc:
+            # faust wraps the KafkaError raised while queueing a record (too large, buffer or
+            # metadata timeout): unwrapped, the retry and the dead-letter rule above see it.
+            if isinstance(exc.__cause__, KafkaError):
+                raise exc.__cause__ from None
+            raise
 
 
 @dataclass
@@ -168,7 +179,7 @@ class MessageDelivery:
         finally:
             if entered:
                 await self.poison.leave(*where)
-            self.admission.release(message.partition, message.offset)
+            self.admission.release(message.partition, message.offset, topic=message.topic)
             self.gate.release(tp)
             self.admission.refresh()
 
@@ -293,7 +304,7 @@ class StageRuntime:
 
     # Lag and admission ----------------------------------------------------------------------
     async def _admit(self, message: Incoming, priority: int) -> bool:
-        return await self.admission.wait_for_room(message.partition, message.offset, priority)
+        return await self.admission.wait_for_room(message.partition, message.offset, priority, topic=message.topic)
 
     def _assigned_inputs(self) -> list[Any]:
         input_topic = self.stage.input_topics[0]

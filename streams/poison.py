@@ -16,9 +16,12 @@ API: `await guard.enter(topic, partition, offset)` -> False when the message mus
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 FORGET_AFTER_S = 7 * 24 * 3600  # rows of messages another replica finished, eventually
 
@@ -64,7 +67,12 @@ class PoisonGuard:
             else:  # suspects go first, so a stream of new messages cannot starve them
                 await self._changed.wait_for(lambda: not self._solo and not self._suspects_waiting)
             self._active += 1
-        self._record(topic, partition, offset, solo=suspect)
+        try:
+            self._record(topic, partition, offset, solo=suspect)
+        except sqlite3.Error as exc:
+            # The guard is a safety net: a message it cannot count still runs (and leaves);
+            # raising here would leave it unacked and freeze its partition's commits.
+            log.warning("poison guard could not count %s/%d@%d (%s); processing it uncounted", topic, partition, offset, exc)
         return True
 
     def _record(self, topic: str, partition: int, offset: int, solo: bool) -> None:
@@ -75,9 +83,12 @@ class PoisonGuard:
         )
 
     async def leave(self, topic: str, partition: int, offset: int) -> None:
-        self._db.execute(
-            "DELETE FROM attempts WHERE topic = ? AND partition = ? AND message_offset = ?", (topic, partition, offset)
-        )
+        try:
+            self._db.execute(
+                "DELETE FROM attempts WHERE topic = ? AND partition = ? AND message_offset = ?", (topic, partition, offset)
+            )
+        except sqlite3.Error as exc:  # a row left behind only makes the message a suspect if it comes back
+            log.warning("poison guard could not clear %s/%d@%d: %s", topic, partition, offset, exc)
         async with self._changed:
             self._active -= 1
             self._solo = False if self._active == 0 else self._solo

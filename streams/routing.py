@@ -67,6 +67,11 @@ class Router:
         current = self.workers.get(state.worker)
         if current is None or current.at <= state.at:
             self.workers[state.worker] = state
+        # Workers are named host-pid, so every restart adds one, and the compacted topic keeps
+        # them all: forget those silent for twice the staleness bound (no decision reads them).
+        horizon = self.clock() - 2 * self.settings.worker_state_stale_s
+        for name in [name for name, known in self.workers.items() if known.at < horizon]:
+            del self.workers[name]
 
     def observe_lag(self, lag: dict[int, int]) -> None:
         """A fresh read-out of the inference group's lag: it includes what we sent before it."""

@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka.errors import KafkaError
 
@@ -78,9 +79,13 @@ class WorkerReporter(_Background):
         self.snapshot = snapshot
         self.topic = TopicNames(settings.topic_prefix).workers
 
+    # (first, longest) wait between connection attempts: a worker that never reports is never
+    # routed to, so a broker that was not up at start must not silence it for good.
+    CONNECT_BACKOFF_S = (0.25, 1.0)
+
     async def _run(self) -> None:
-        producer = make_producer(self.settings)
-        await producer.start()
+        first, longest = self.CONNECT_BACKOFF_S
+        producer = await retry_async(self._connect, KafkaError, base_s=first, cap_s=longest, on_retry=self._retrying)
         try:
             while True:
                 state = self.snapshot()
@@ -91,6 +96,18 @@ class WorkerReporter(_Background):
                 await asyncio.sleep(self.settings.scheduling.worker_state_interval_s)
         finally:
             await producer.stop()
+
+    async def _connect(self) -> Any:
+        producer = make_producer(self.settings)
+        try:
+            await producer.start()
+        except BaseException:
+            await producer.stop()
+            raise
+        return producer
+
+    def _retrying(self, exc: BaseException, attempt: int, delay: float) -> None:
+        log.info("worker state reporter cannot reach the broker: %s; retrying in %.2f s", exc, delay)
 
 
 class WorkerStateFeed(_Background):

@@ -5,6 +5,7 @@ process each time it runs alone is given up after max_crashes."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,33 @@ def test_a_suspect_runs_alone_and_new_messages_wait_for_it(tmp_path):
     asyncio.run(scenario())
     assert order == ["new in", "new out", "suspect in", "suspect out", "later in", "later out"]
     assert guard.crashes("t.events", 0, 7) == (0, 0)
+
+
+class FailingWrites:
+    """The guard's SQLite connection, with every write failing (a locked or full disk)."""
+
+    def __init__(self, db) -> None:
+        self.db = db
+
+    def execute(self, sql: str, *args):
+        if sql.startswith(("INSERT", "DELETE")):
+            raise sqlite3.OperationalError("database is locked")
+        return self.db.execute(sql, *args)
+
+
+def test_a_guard_that_cannot_write_still_lets_every_message_through(tmp_path):
+    """Its counters must not leak when its database fails: a suspect that could not be counted
+    would otherwise hold every later message back for ever."""
+    path = tmp_path / "poison.db"
+    assert _crash_with(path, 3).returncode == -9  # offset 3 is a suspect from now on
+
+    async def run() -> list[bool]:
+        guard = PoisonGuard(path, max_crashes=K)
+        guard._db = FailingWrites(guard._db)
+        entered = []
+        for offset in (3, 4, 3, 5):  # the suspect, a new message, the suspect again, another
+            entered.append(await asyncio.wait_for(guard.enter("t.events", 0, offset), 5))
+            await guard.leave("t.events", 0, offset)
+        return entered
+
+    assert asyncio.run(run()) == [True, True, True, True]

@@ -226,3 +226,17 @@ def test_flips_are_bounded_by_the_sticky_window_and_choices_are_eligible(steps, 
         r.observe_lag(lag)
         assert r.choose(MODEL) in (0, 1, 2)
     assert r.flips - r.escapes <= (clock.now - start) / sticky + 1
+
+
+def test_workers_silent_for_twice_the_staleness_bound_are_forgotten():
+    """Worker names are host-pid: every restart adds one, and the compacted topic keeps all of
+    them. The router keeps only those that could still matter to a decision."""
+    clock = Clock()
+    r = router(clock)
+    for pid in range(100):  # a crash loop: each incarnation reports once, then dies
+        r.observe_worker(state(f"host-{pid}", [0, 1], 0.01, clock.now))
+        clock.now += 1.0
+    assert set(r.workers) == {f"host-{pid}" for pid in range(93, 100)}  # silent for at most 2 x 3 s
+    assert r.choose(MODEL) in (0, 1)  # the fresh ones still own their partitions
+    r.observe_worker(state("late-report", [2], 0.01, clock.now - 60))  # a report replayed from the topic
+    assert "late-report" not in r.workers

@@ -8,7 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, MessageSizeTooLargeError
+from faust.exceptions import ProducerSendError
 from prometheus_client import CollectorRegistry
 
 from mmpipe.schemas import BadMessage, decode_dead_letter, to_json
@@ -22,7 +23,7 @@ from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.poison import PoisonGuard
 from mmpipe.streams.retry import poll_until, retry_async
 from mmpipe.streams.stage import DependencyUnavailable, Incoming, Outgoing, Stage, TransientError
-from mmpipe.streams.worker_state import WorkerStateFeed
+from mmpipe.streams.worker_state import WorkerReporter, WorkerStateFeed
 
 DLQ = "mm.dead-letter"
 
@@ -173,10 +174,27 @@ async def test_sender_retries_broker_errors_until_taken():
     assert producer.sent == outs
 
 
-async def test_sender_turns_an_output_too_large_into_a_dead_letter():
-    producer = FakeProducer(MessageSizeTooLargeError())
+def faust_wrapped(error: KafkaError) -> ProducerSendError:
+    """What faust's producer raises when aiokafka refuses to queue a record."""
+    try:
+        raise ProducerSendError(f"Error while sending: {error!r}") from error
+    except ProducerSendError as wrapped:
+        return wrapped
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["aiokafka", "faust-wrapped"])
+async def test_sender_turns_an_output_too_large_into_a_dead_letter(wrap):
+    error = MessageSizeTooLargeError()
+    producer = FakeProducer(faust_wrapped(error) if wrap else error)
     await sender(producer).send_all([Outgoing("mm.decoded", b"job-1", b"x" * 10)], message())
     assert letter_of(producer.sent).reason == "output_too_large"
+
+
+async def test_sender_retries_a_faust_wrapped_queueing_timeout():
+    producer = FakeProducer(faust_wrapped(KafkaTimeoutError()))
+    outs = [Outgoing("mm.decoded", b"job-1", b"a")]
+    await sender(producer).send_all(outs, message())
+    assert producer.sent == outs
 
 
 # Downstream admission -----------------------------------------------------------------------------
@@ -247,6 +265,20 @@ def test_releasing_twice_or_an_unreserved_message_changes_nothing():
     assert adm.estimate(0) == 0
 
 
+async def test_the_same_partition_and_offset_in_two_lanes_are_two_reservations():
+    """A stage reads a topic and its high lane, whose offsets are independent: events p0@5 and
+    events.high p0@5 in flight together must each hold and each give back their room."""
+    adm, _, _ = admission(high=10)
+    adm.update({0: 0, 1: 0})
+    assert await adm.wait_for_room(0, offset=5, topic="mm.events")
+    assert await adm.wait_for_room(0, offset=5, priority=0, topic="mm.events.high")
+    assert await adm.wait_for_room(0, offset=5, topic="mm.events")  # the same message again (a retry)
+    assert adm.estimate(0) == 2
+    adm.release(0, 5, topic="mm.events.high")
+    adm.release(0, 5, topic="mm.events")
+    assert adm.estimate(0) == 0
+
+
 # One message's delivery ---------------------------------------------------------------------------
 DOWNSTREAM = "mm.decoded"
 
@@ -290,7 +322,7 @@ def delivery(stage: FakeStage, producer: FakeProducer, poison_db: Path) -> Messa
     fp, _, _ = policy()
     gate = PartitionGate(high=4, low=1, max_total=8, pause=lambda tps: None, resume=lambda tps: None)
     adm = DownstreamAdmission(high=4, low=1, aging_s=1.0, gate=gate, assigned=list, shedding=lambda: False)
-    stage.admit = lambda message, priority: adm.wait_for_room(message.partition, message.offset, priority)
+    stage.admit = lambda message, priority: adm.wait_for_room(message.partition, message.offset, priority, topic=message.topic)
     return MessageDelivery(stage, fp, sender(producer), PoisonGuard(poison_db, max_crashes=1), gate, adm, [DOWNSTREAM])
 
 
@@ -459,3 +491,42 @@ async def test_the_worker_state_feed_reconnects_until_the_broker_answers(monkeyp
         await feed.stop()
     assert seen == [state] and len(readers) == 4
     assert all(reader.stopped for reader in readers), "every connection is closed, failed ones too"
+
+
+class FakeStateProducer:
+    """A producer of the `workers` topic whose start fails, or that records what it sends."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails = fails
+        self.sent: list[bytes] = []
+        self.stopped = False
+
+    async def start(self) -> None:
+        if self.fails:
+            raise KafkaConnectionError()
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> None:
+        self.sent.append(value)
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+async def test_the_worker_state_reporter_keeps_trying_until_the_broker_answers(monkeypatch):
+    state = WorkerState(worker="w-1", partitions=[0], ready=True, models=["m"], item_s=0.1, waits_s={}, at=1.0)
+    producers: list[FakeStateProducer] = []
+
+    def connect(*args, **kwargs) -> FakeStateProducer:
+        producers.append(FakeStateProducer(fails=len(producers) < 3))
+        return producers[-1]
+
+    monkeypatch.setattr("mmpipe.streams.worker_state.make_producer", connect)
+    reporter = WorkerReporter(Settings(), lambda: state)
+    reporter.CONNECT_BACKOFF_S = (0.001, 0.002)
+    reporter.start()
+    try:
+        await eventually(lambda: producers and producers[-1].sent)
+    finally:
+        await reporter.stop()
+    assert len(producers) == 4 and producers[-1].sent[0] == to_json(state)
+    assert all(p.stopped for p in producers), "every producer is closed, failed ones too"
