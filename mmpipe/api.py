@@ -56,7 +56,7 @@ from mmpipe.models.base import ModelSpec, UnknownModel, WrongModality
 from mmpipe.models.registry import all_specs, resolve
 from mmpipe.schemas import JobResult, MediaEvent
 from mmpipe.schemas.codec import unknown_modality
-from mmpipe.schemas.events import JOB_ID_PATTERN, MODALITIES, NORMAL_PRIORITY, PRIORITY_LEVELS, TimeoutAction
+from mmpipe.schemas.events import JOB_ID_PATTERN, JOB_ID_RE, MODALITIES, NORMAL_PRIORITY, PRIORITY_LEVELS, TimeoutAction
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,13 @@ RETRY_AFTER_S = "2"
 class ApiError(Exception):
     """A refusal with a stable code; becomes {"error": code, "detail": detail}."""
 
-    def __init__(self, status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, code: str, detail: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
         super().__init__(f"{status} {code}: {detail}")
         self.status = status
         self.code = code
         self.detail = detail
         self.headers = headers or {}
+        self.extra = extra  # more fields of the body (a recorded job's job_id)
 
 
 class RequestTooLarge(ApiError):
@@ -170,6 +171,7 @@ class PredictPending(BaseModel):
 class ErrorBody(BaseModel):
     error: str = Field(description="a stable code, e.g. unknown_model, uri_outside_input_roots")
     detail: str
+    job_id: str | None = Field(None, description="on a 503 after the job was recorded: submit it again with this job_id")
 
 
 class Liveness(BaseModel):
@@ -471,8 +473,14 @@ class ApiRuntime:
         created = await self.store.accept_job(event, model)
         if not created and not await self.store.is_unpublished(event.job_id):
             return False
-        await self.link.publish(event)
-        await self.store.mark_accepted(event.job_id)
+        try:
+            await self.link.publish(event)
+            await self.store.mark_accepted(event.job_id)
+        except (BrokerUnavailable, StoreUnavailable) as exc:
+            # Recorded now: the client must learn the ID (perhaps ours) to publish it by a retry.
+            code = "broker_unavailable" if isinstance(exc, BrokerUnavailable) else "store_unavailable"
+            raise ApiError(503, code, f"{exc}; the job is recorded: submit it again with job_id {event.job_id!r}",
+                           {"Retry-After": RETRY_AFTER_S}, job_id=event.job_id) from exc
         return True
 
     @contextlib.asynccontextmanager
@@ -579,7 +587,8 @@ def jobs_router(runtime: ApiRuntime) -> APIRouter:
         description="The job's state, the time it reached each state, and its result once finished.",
     )
     async def get_job(job_id: str, request: Request) -> Response:
-        view = await job_view(runtime, request, job_id)
+        # No job can have an ID outside the pattern, and the store need not see one (NUL bytes).
+        view = await job_view(runtime, request, job_id) if JOB_ID_RE.match(job_id) else None
         if view is None:
             raise ApiError(404, "unknown_job", f"no job {job_id!r}")
         return json_response(200, view)
@@ -692,7 +701,7 @@ def docs_router(app: FastAPI, settings: Settings) -> APIRouter:
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return error_response(exc.status, exc.code, exc.detail, exc.headers)
+        return error_response(exc.status, exc.code, exc.detail, exc.headers, **exc.extra)
 
     async def invalid_request(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

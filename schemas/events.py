@@ -18,6 +18,7 @@ Schema 1 history (additive, optional fields only, so the version number stays 1)
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal, get_args
 
@@ -44,12 +45,16 @@ TimeoutAction = Literal["reject", "run_late"]
 TIMEOUT_ACTIONS: tuple[str, ...] = get_args(TimeoutAction)
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
-_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+
+
+# Model names and versions: what the registry can hold, and text every store accepts (no NUL).
+_MODEL_PART = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")]
 
 
 class ModelRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: str
-    version: str
+    name: _MODEL_PART
+    version: _MODEL_PART
 
     def __str__(self) -> str:
         return f"{self.name}:{self.version}"
@@ -90,11 +95,16 @@ class MediaEvent(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(
                 f"unsupported schema_version {self.schema_version}; this build reads {SCHEMA_VERSION}"
             )
-        if not _JOB_ID_RE.match(self.job_id):
+        if not JOB_ID_RE.match(self.job_id):
             raise ValueError(f"job_id must match {JOB_ID_PATTERN}")
         if self.modality == "text" and self.payload.text is None and self.payload.data is None:
             if self.payload.uri is None:
                 raise ValueError("a text job needs payload.text, payload.data or payload.uri")
+        if self.modality != "text" and self.payload.text is not None:
+            # Decoders open a str as a path: inline text on a media job would bypass the URI rules.
+            raise ValueError(f"payload.text is for text jobs; send {self.modality} as payload.data or payload.uri")
+        if not math.isfinite(self.created_at) or (self.deadline is not None and not math.isfinite(self.deadline)):
+            raise ValueError("created_at and deadline must be finite epoch seconds")
 
 
 class Timings(msgspec.Struct, omit_defaults=True):

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mmpipe.schemas import BadMessage, DeadLetter, peek_header, to_json
+from mmpipe.schemas.events import MODALITIES
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.retry import retry_async
@@ -46,7 +47,7 @@ def dead_letter(stage: str, message: Incoming, reason: str, detail: str) -> Dead
         source_offset=message.offset,
         failed_at=time.time(),
         created_at=float(created) if isinstance(created, (int, float)) else None,
-        modality=modality if isinstance(modality, str) else None,
+        modality=modality if modality in MODALITIES else None,  # raw text from a refused message: only a known one
         payload_excerpt=(message.value or b"")[:EXCERPT_BYTES],
     )
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from mmpipe.schemas import ModelRef, Prediction, to_json
-from mmpipe.schemas.events import NORMAL_PRIORITY
+from mmpipe.schemas.events import JOB_ID_RE, NORMAL_PRIORITY
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.kafka import stage_input_topics
 from mmpipe.streams.metrics import StageMetrics
@@ -55,12 +55,15 @@ class Incoming:
 
     @property
     def job_id(self) -> str:
-        """Every topic is keyed by job id; a keyless message gets a locator instead."""
+        """Every topic is keyed by job id; a message whose key is none (or not one: NUL bytes,
+        which no store column takes, or junk) gets a locator instead."""
         if self.key:
             try:
-                return self.key.decode("utf-8")
+                key = self.key.decode("utf-8")
             except UnicodeDecodeError:
-                pass
+                key = ""
+            if JOB_ID_RE.match(key):
+                return key
         return f"unknown:{self.topic}:{self.partition}:{self.offset}"
 
 

@@ -234,6 +234,11 @@ async def test_a_job_whose_publish_failed_is_published_by_its_resubmission_after
         app.state.runtime.link.publish = broker_fails
         refused = await client.post("/v1/jobs", json=body)
         assert refused.status_code == 503 and refused.json()["error"] == "broker_unavailable", refused.text
+        assert refused.json()["job_id"] == job_id and refused.headers["retry-after"]
+        # Without a job_id of its own the client learns the one the API gave the recorded job.
+        anonymous = await client.post("/v1/jobs", json={k: v for k, v in body.items() if k != "job_id"})
+        assert anonymous.status_code == 503 and anonymous.json()["job_id"] != job_id
+        assert (await client.get(f"/v1/jobs/{anonymous.json()['job_id']}")).json()["published"] is False
         job = (await client.get(f"/v1/jobs/{job_id}")).json()
         assert job["status"] == "accepted" and "accepted" not in job["timestamps"] and job["published"] is False
     assert await events_published(api_settings, job_id) == 0
@@ -373,6 +378,7 @@ async def test_invalid_jobs_get_clear_4xx(api_settings, picture):
         assert_error(await client.post("/v1/predict", params={"timeout_s": "soon"}, json={"modality": "text", "text": "x"}),
                      422, "invalid_request", "timeout_s")
         assert_error(await client.get("/v1/jobs/no-such-job"), 404, "unknown_job", "no-such-job")
+        assert_error(await client.get("/v1/jobs/a%00b"), 404, "unknown_job")  # a NUL never reaches the store
 
 
 # Health and spec --------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from mmpipe.schemas.codec import _HEADER, _MAGIC
 from mmpipe.schemas.settings import Settings
 from mmpipe.stages.decode import samples
 from mmpipe.stages.decode.isolation import DecodePool
-from mmpipe.stages.decode.media import DecodeLimits, MediaError
+from mmpipe.stages.decode.media import DecodeLimits, MediaError, decode_media
 from mmpipe.stages.decode.stage import DecodeStage
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.failure import dead_letter
@@ -144,6 +144,47 @@ def test_special_files_under_the_roots_are_refused_without_blocking(stage, roots
         cases.append(("audio", device, "bad_uri"))
     for modality, path, reason in cases:
         assert _refusal(stage, _event(modality, uri=str(path))).reason == reason
+
+
+def test_inline_text_on_a_media_job_is_refused_and_never_opened_as_a_path(stage, tmp_path):
+    """A str reaching a decoder would be opened as a file: outside the input roots, or a FIFO
+    that blocks a worker. Only text jobs carry inline text; the decoders take bytes or a
+    checked Path."""
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(samples.encode_image(samples.synthetic_picture(16, 16)))
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    for path in (outside, fifo):
+        refused = _refusal(stage, _event("image", text=str(path)))
+        assert refused.reason == "malformed_event" and "payload.text is for text jobs" in refused.detail
+    with pytest.raises(MediaError, match="bytes or a checked file"):
+        decode_media("image", str(outside), DecodeLimits())
+    _good_image_decodes(stage)
+
+
+@pytest.mark.parametrize("times", [{"created_at": "nan"}, {"deadline": "inf"}, {"created_at": "-inf"}])
+def test_non_finite_event_times_are_malformed_events(stage, times):
+    raw = orjson.loads(_event("text", text="hello"))
+    raw.update(times)
+    assert _refusal(stage, orjson.dumps(raw)).reason == "malformed_event"
+
+
+@pytest.mark.parametrize("change", [{"modality": "im\u0000age"}, {"model": {"name": "resnet\u000018", "version": "1"}},
+                                    {"deadline": 1.0, "model": {"name": "x\u0000", "version": "1"}}, {"key": b"job\x00id"}])
+def test_nul_bytes_never_reach_a_dead_letter_or_the_store(stage, change):
+    """PostgreSQL refuses NUL in text, and the sink would retry such a write as an outage for
+    ever: a NUL in the modality or the model name refuses the event, and no letter carries one
+    (a key that is no job ID becomes a locator, an unknown modality is dropped)."""
+    raw = orjson.loads(_event("image", data=b"\x89PNG"))
+    key = change.pop("key", b"hostile")
+    raw.update(change)
+    message = Incoming("t.events", 0, 9, key, orjson.dumps(raw), time.time(), time.time())
+    with pytest.raises(Refused) as refused:
+        asyncio.run(stage.handle(message))
+    letter = dead_letter("decode", message, refused.value.reason, refused.value.detail)
+    assert refused.value.reason in {"malformed_event", "unknown_modality"} or key != b"hostile"
+    assert "\x00" not in letter.job_id and "\x00" not in (letter.modality or "")
+    assert letter.job_id == "hostile" or letter.job_id.startswith("unknown:")
 
 
 def test_a_work_item_with_shape_minus_one_is_refused_before_any_copy():

@@ -52,6 +52,14 @@ def wav_claiming_rate(rate: int) -> bytes:
     return bytes(data)
 
 
+def float_wav(values: np.ndarray, rate: int = 16_000) -> bytes:
+    """A mono IEEE-float WAV (format 3) of exactly these samples: NaN and Inf included."""
+    body = values.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(body)) + body
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
 def avi_claiming_frames(frames: int) -> bytes:
     """A tiny real AVI (MJPEG, 16x16, 5 frames) whose headers claim `frames` frames."""
     import io
@@ -120,5 +128,7 @@ def corpus(segment_url: str = "http://127.0.0.1:9/segment.ts") -> list[Hostile]:
         ("truncated-wav-header", "audio", lambda: wav[:30], UNDECODABLE),
         ("truncated-mp4", "video", lambda: truncated(mp4), UNDECODABLE),
         ("video-as-image", "image", lambda: mp4, UNDECODABLE),
+        ("float-wav-nan-inf", "audio", lambda: float_wav(np.tile(np.float32([np.nan, np.inf, -np.inf, 0.1]), 8000)), UNDECODABLE),
+        ("png-8x100000", "image", lambda: samples.encode_image(np.zeros((100_000, 8, 3), np.uint8)), frozenset({"extreme_aspect_ratio"})),
     ]
     return [Hostile(name, modality, make(), reasons) for name, modality, make, reasons in entries]

@@ -31,6 +31,9 @@ import numpy as np
 from mmpipe.schemas.errors import Refused
 
 MAX_PIXELS = 40_000_000  # per frame: refuse decompression bombs before a buffer is allocated
+# Models scale the short side up to their input size: an 8x1,000,000 strip (8 Mpixels, within
+# MAX_PIXELS) would become 256x32,000,000 in preprocess, gigabytes for no picture.
+MAX_ASPECT_RATIO = 20
 MIN_SAMPLE_RATE = 1_000  # a 1 Hz "WAV" resampled to 16 kHz would be a 16000x sample bomb
 MAX_SAMPLE_RATE = 384_000
 MAX_CHANNELS = 32
@@ -71,7 +74,7 @@ class DecodedMedia:
     frames_decoded: int = 0  # all frames the codec produced (sampled or not)
 
 
-Source = bytes | str | Path
+Source = bytes | Path  # a str is never opened: it could name any file (see _head)
 
 
 # Allowlists ------------------------------------------------------------------------------
@@ -158,6 +161,8 @@ def looks_like(head: bytes) -> str:
 def _head(source: Source) -> bytes:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source[:HEAD_BYTES])
+    if not isinstance(source, Path):  # only a path that inputs.resolve_local_uri checked is opened
+        raise MediaError("undecodable_media", f"media must be bytes or a checked file, not {type(source).__name__}")
     with open(source, "rb") as f:
         return f.read(HEAD_BYTES)
 
@@ -273,6 +278,9 @@ def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, 
 def _to_rgb(frame: av.VideoFrame, limits: DecodeLimits) -> np.ndarray:
     if frame.width * frame.height > limits.max_pixels:
         raise MediaError("image_too_large", f"{frame.width}x{frame.height} exceeds {limits.max_pixels} pixels")
+    if max(frame.width, frame.height) > MAX_ASPECT_RATIO * min(frame.width, frame.height):
+        raise MediaError("extreme_aspect_ratio",
+                         f"{frame.width}x{frame.height}: one side is more than {MAX_ASPECT_RATIO} times the other")
     width, height = _scaled_size(frame.width, frame.height, limits.image_short_side)
     # One swscale pass converts YUV->RGB and downscales (bilinear, area-ish for shrink).
     return frame.to_ndarray(width=width, height=height, format="rgb24", interpolation="AREA")
@@ -293,7 +301,7 @@ def decode_audio(source: Source, limits: DecodeLimits) -> DecodedMedia:
     with _guard(), _open(source, "audio", limits) as container:
         if not container.streams.audio:
             raise MediaError("undecodable_media", "no audio stream found")
-        pcm = _decode_audio_stream(container, _checked_audio_stream(container, limits), limits)
+        pcm = _finite(_decode_audio_stream(container, _checked_audio_stream(container, limits), limits))
         return DecodedMedia(pcm=pcm, duration_s=pcm.size / limits.audio_sample_rate)
 
 
@@ -337,7 +345,7 @@ def decode_video(source: Source, limits: DecodeLimits) -> DecodedMedia:
         if not result.frames:
             raise MediaError("undecodable_media", "video stream held no decodable frame")
         if chunks:
-            result.pcm = np.concatenate(chunks).astype(np.float32, copy=False)[:max_samples]
+            result.pcm = _finite(np.concatenate(chunks).astype(np.float32, copy=False)[:max_samples])
         result.duration_s = float(video.duration * video.time_base) if video.duration else (
             result.frames[-1].time_s
         )
@@ -349,6 +357,14 @@ def _frame_time(frame: av.VideoFrame, count: int, stream: av.video.stream.VideoS
         return float(frame.time)
     rate = float(stream.average_rate or 25)
     return (count - 1) / rate
+
+
+def _finite(pcm: np.ndarray) -> np.ndarray:
+    """Float codecs carry NaN and Inf as well as samples: the models would clip or propagate
+    them into an "ok" answer about nothing, so such audio is not media."""
+    if not np.isfinite(pcm).all():
+        raise MediaError("undecodable_media", f"audio holds {int(np.count_nonzero(~np.isfinite(pcm)))} non-finite samples (NaN or Inf)")
+    return pcm
 
 
 def _resampler(limits: DecodeLimits) -> av.AudioResampler:
