@@ -291,7 +291,11 @@ class StageRuntime:
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("stage %s: message task failed", self.stage.name, exc_info=task.exception())
+            # Its message is never acked, so its partition commits no further until a restart
+            # redelivers it: counted, so that an alert can say so (no known path leads here).
+            self.metrics.errors.labels(self.stage.name, "message_task_failed").inc()
+            log.error("stage %s: message task failed; its partition's commits are held until a restart",
+                      self.stage.name, exc_info=task.exception())
 
     async def _process(self, event: Any, tp: Any) -> None:
         await self.delivery.process(_incoming(event.message), event.ack, tp)

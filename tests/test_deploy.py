@@ -447,6 +447,7 @@ def test_the_alerts_the_runbook_needs():
     lag = alert("MmpipeConsumerLagGrowing")
     assert "deriv(" in lag["expr"] and lag["for"] == "10m"
     assert {"mm_dead_letters_total", "mm_items_total"} <= {s.name for s in selectors(alert("MmpipeDeadLetterRate")["expr"])}
+    assert "message_task_failed" in alert("MmpipeMessageTaskFailed")["expr"]  # streams/delivery.py counts it
     # A stage whose pods are all gone has no series at all: each stage needs its own absent().
     absent = {m.value for s in selectors(alert("MmpipeStageHasNoMembers")["expr"]) if s.name == "mm_stage_ready"
               for m in s.matchers.matchers if m.name == "stage"}
