@@ -161,13 +161,14 @@ class InferenceStage(Stage):
             job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
             modality=item.modality, model=item.model, created_at=item.created_at,
         )
+        digest = item.meta.get("payload_digest")
         try:
             output, info = await batcher.submit(item.tensors, item.deadline, item.priority, item.on_timeout)
         except Expired as exc:
-            return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc),
+            return [self.answer_without_work("expired", **common, trace=item.trace, detail=str(exc), digest=digest,
                                              priority=item.priority)]
         except Rejected as exc:
-            return [self.answer_without_work("rejected", **common, trace=item.trace, detail=str(exc),
+            return [self.answer_without_work("rejected", **common, trace=item.trace, detail=str(exc), digest=digest,
                                              priority=item.priority)]
         except ItemFailed as exc:
             raise BadMessage("model_error", str(exc)) from None

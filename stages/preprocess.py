@@ -63,7 +63,8 @@ class PreprocessStage(Stage):
                 "expired",
                 job_id=item.job_id, part=item.part, parts=item.parts, kind=item.kind,
                 modality=item.modality, model=item.model, created_at=item.created_at,
-                trace=item.trace, detail="deadline passed before preprocess", priority=item.priority,
+                trace=item.trace, detail="deadline passed before preprocess", digest=item.meta.get("payload_digest"),
+                priority=item.priority,
             )]
         if item.part == 0:
             self.report_status(item.job_id, "preprocessing", started)

@@ -119,14 +119,17 @@ class Stage(abc.ABC):
     # Helpers for subclasses ------------------------------------------------------------
     def answer_without_work(self, status: str, *, job_id: str, part: int, parts: int, kind: str, modality: str,
                             model: ModelRef, created_at: float, trace: dict[str, float], detail: str,
-                            priority: int = NORMAL_PRIORITY) -> Outgoing:
+                            digest: str | None, priority: int = NORMAL_PRIORITY) -> Outgoing:
         """Answer an item as expired (deadline passed) or rejected (overload): no work is done,
-        the answer goes straight to the sink, which decides the whole job with it."""
+        the answer goes straight to the sink, which decides the whole job with it. It carries
+        its job's payload digest like any part, so the answer of another job that reuses the
+        ID is refused as a conflict, not taken for this job's."""
         counter = self.metrics.expired if status == "expired" else self.metrics.rejected
         counter.labels(self.name).inc()
         prediction = Prediction(
             job_id=job_id, part=part, parts=parts, kind=kind, modality=modality, model=model,
             status=status, created_at=created_at, trace=trace, error=detail, priority=priority,
+            meta={} if digest is None else {"payload_digest": digest},
         )
         return Outgoing(self.topics.predictions, job_id.encode(), to_json(prediction))
 

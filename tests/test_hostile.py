@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mmpipe.harness import hostile
-from mmpipe.schemas import Refused, decode_work_item
+from mmpipe.schemas import Refused, decode_event, decode_prediction, decode_work_item, payload_digest
 from mmpipe.schemas.codec import _HEADER, _MAGIC
 from mmpipe.schemas.settings import Settings
 from mmpipe.stages.decode import samples
@@ -185,6 +185,17 @@ def test_nul_bytes_never_reach_a_dead_letter_or_the_store(stage, change):
     assert refused.value.reason in {"malformed_event", "unknown_modality"} or key != b"hostile"
     assert "\x00" not in letter.job_id and "\x00" not in (letter.modality or "")
     assert letter.job_id == "hostile" or letter.job_id.startswith("unknown:")
+
+
+def test_an_event_past_its_deadline_is_answered_expired_with_its_payload_digest(stage):
+    """The digest lets the sink refuse the answer when the job ID belongs to another payload."""
+    raw = orjson.loads(_event("text", text="too late"))
+    raw["deadline"] = 1.0
+    event = decode_event(orjson.dumps(raw))
+    (out,) = asyncio.run(stage.handle(Incoming("t.events", 0, 10, event.job_id.encode(), orjson.dumps(raw), time.time(), time.time())))
+    answer = decode_prediction(out.value)
+    assert out.topic == stage.topics.predictions and answer.status == "expired"
+    assert answer.meta["payload_digest"] == payload_digest(event)
 
 
 def test_a_work_item_with_shape_minus_one_is_refused_before_any_copy():

@@ -553,6 +553,21 @@ def test_a_job_id_reused_for_another_payload_is_refused_and_recorded_never_merge
     assert final.created and final.result.parts == 2
 
 
+def test_an_expired_answer_of_another_job_with_the_same_id_is_refused_not_taken(store: ResultStore) -> None:
+    """Answers without work carry their job's payload digest (streams/stage.py), so another
+    job that reuses the ID cannot decide this one as expired; this job's own can."""
+    job_id = new_job_id()
+
+    def with_digest(p: Prediction, digest: str) -> Prediction:
+        return msgspec.structs.replace(p, meta={**p.meta, "payload_digest": digest})
+
+    assert store.record_part(with_digest(frame(job_id, 0, 2), "video-a"), assemble) is None
+    refused = store.record_part(with_digest(expired_part(job_id, 0, 1), "image-b"), assemble)
+    assert refused.reason == "job_id_conflict" and store.get_result(job_id) is None
+    final = store.record_part(with_digest(expired_part(job_id, 1, 2), "video-a"), assemble)
+    assert final.created and final.result.status == "expired"
+
+
 def test_a_video_with_one_bad_frame_completes_with_that_frames_error(store: ResultStore) -> None:
     job_id = new_job_id()
     bad = msgspec.structs.replace(frame(job_id, 1, 3), status="error", output=None, error="bad_input: pixels: not finite")

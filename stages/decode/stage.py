@@ -152,5 +152,6 @@ class DecodeStage(Stage):
             created_at=event.created_at,
             trace={"created": event.created_at, "decode_in": started},
             detail=detail,
+            digest=payload_digest(event),
             priority=event.priority,
         )

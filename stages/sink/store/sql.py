@@ -260,7 +260,7 @@ class SqlStore(ResultStore):
         """A part of another job that reuses this job's ID (a different payload digest) is
         recorded as a conflict and refused, never merged with this job's parts."""
         incoming = prediction.meta.get("payload_digest")
-        if incoming is None:  # answered without work (expired, rejected): nothing to compare
+        if incoming is None:  # no digest (a message from before answers carried one): nothing to compare
             return None
         # Parts of one job share one digest (other jobs' parts are never stored): one will do.
         cur.execute(self._q("SELECT body FROM parts WHERE job_id = ? ORDER BY part LIMIT 1"), (prediction.job_id,))
