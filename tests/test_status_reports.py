@@ -1,5 +1,6 @@
 """Status reports (streams/status.py): coalesced per flush window, sent off the ack path, a
-failed send counted and never retried, and the sink writing every entry of a record."""
+failed send counted and never retried, and the sink writing every entry of a record (and
+refusing, with a reason, a message holding a value PostgreSQL will not store)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
-from mmpipe.schemas import decode_status
+from mmpipe.schemas import DeadLetter, Refused, decode_status, to_json
 from mmpipe.schemas.settings import Settings
 from mmpipe.stages.sink.stage import SinkStage
 from mmpipe.streams.metrics import StageMetrics
@@ -118,3 +120,25 @@ def test_the_sink_writes_every_entry_of_a_report(tmp_path: Path) -> None:
         ("preprocessing", {"preprocessing": 1000.0 + n}) for n in range(3)
     ]
 
+
+
+def test_a_value_postgresql_will_not_store_is_dead_lettered_not_waited_out(postgres_url: str, tmp_path: Path) -> None:
+    """A NUL byte in a text field (a crafted dead letter here): PostgreSQL refuses it, and the
+    sink must refuse the message with a reason, not retry it as an outage for ever."""
+    settings = Settings(state_dir=tmp_path, store_url=postgres_url)
+    sink = SinkStage(settings, StageMetrics("sink", CollectorRegistry()))
+    sink.setup()
+    letter = DeadLetter(job_id="unknown:t:0:1", stage="decode", reason="undecodable_media", detail="bad\x00detail",
+                        source_topic="t.events", source_partition=0, source_offset=1, failed_at=time.time())
+
+    async def run() -> Refused:
+        try:
+            message = Incoming(sink.topics.dead_letter, 0, 5, b"x", to_json(letter), time.time(), time.time())
+            with pytest.raises(Refused) as refused:
+                await asyncio.wait_for(sink.handle(message), 30)
+            return refused.value
+        finally:
+            await sink.stop()
+
+    refused = asyncio.run(run())
+    assert refused.reason == "unstorable_value" and "postgresql refused a value" in refused.detail

@@ -61,8 +61,6 @@ class SinkStage(Stage):
             prediction = decode_prediction(message.value)
             prediction.trace["sink_in"] = sink_in
             final = await self._call(self.store.record_part, prediction, assemble)
-            if isinstance(final, Refused):  # a job ID reused for another payload
-                raise final
             if final is None and prediction.parts > 1:
                 crash_point(self.settings, "sink.between_parts", prediction.job_id)  # a part stored, not all
         self.metrics.observe_service("sink", time.time() - sink_in)
@@ -93,6 +91,8 @@ class SinkStage(Stage):
         outcome = await self._group.outcome(fn, *args)
         if isinstance(outcome, StoreUnavailable):
             raise DependencyUnavailable(str(outcome)) from outcome
+        if isinstance(outcome, Refused):  # a job ID reused for another payload, a value the store will not take
+            raise outcome  # dead-lettered with its reason
         if isinstance(outcome, Exception):
             # No store error is the message's fault (bad messages are refused before the store
             # sees them): an error nobody classified is waited out like an outage, loudly, and

@@ -22,6 +22,7 @@ import psycopg.errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
+from mmpipe.schemas import Refused
 from mmpipe.stages.sink.store.base import StoreUnavailable
 from mmpipe.stages.sink.store.sql import SqlStore
 
@@ -84,6 +85,10 @@ class PostgresStore(SqlStore):
             # If COMMIT itself was cut off the transaction may have committed or not; the
             # caller retries and the idempotent writes make either outcome right.
             raise StoreUnavailable(f"postgresql: {exc}") from exc
+        except psycopg.DataError as exc:
+            # A value this server will not store (a NUL byte in text, a number out of range):
+            # the message's fault, never an outage to wait out.
+            raise Refused("unstorable_value", f"postgresql refused a value: {exc}") from exc
 
     def _lock(self, cur: Any, key: str) -> None:
         cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
