@@ -64,8 +64,8 @@ class StoreWorker:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
             raise StoreUnavailable(f"the store did not answer within {timeout_s} s") from None
-        except OSError as exc:  # an unwritable directory, a refused connection: "not now"
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
+            raise _unavailable(exc) from exc
 
     async def ensure_schema(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         """Create the tables if this process comes up before the sink (idempotent)."""
@@ -81,7 +81,7 @@ class StoreWorker:
         """`fn(*args)` in the next group commit; raises what it raised (OSError as StoreUnavailable)."""
         outcome = await self._writes.outcome(fn, *args)
         if isinstance(outcome, OSError):
-            raise StoreUnavailable(f"{type(outcome).__name__}: {outcome}") from outcome
+            raise _unavailable(outcome) from outcome
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -105,6 +105,11 @@ class StoreWorker:
         with contextlib.suppress(Exception):
             await self.call(self.store.close, timeout_s=CONNECT_TIMEOUT_S)
         self._thread.shutdown(wait=False)
+
+
+def _unavailable(exc: OSError) -> StoreUnavailable:
+    """An unwritable directory, a refused connection: "not now", not a failed request."""
+    return StoreUnavailable(f"{type(exc).__name__}: {exc}")
 
 
 # Producer ---------------------------------------------------------------------------------------

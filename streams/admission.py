@@ -87,7 +87,7 @@ class DownstreamAdmission:
     def estimate(self, partition: int) -> int:
         return self.lag_at(partition) + self._admitting[partition]
 
-    async def wait_for_room(self, partition: int, offset: int, priority: int = NORMAL_PRIORITY, *, topic: str = "") -> bool:
+    async def wait_for_room(self, partition: int, offset: int, priority: int = NORMAL_PRIORITY, *, topic: str) -> bool:
         """Wait until the next stage has room for this message's work (True), or give up at
         once while the stage sheds load (False). Waiters take room in rank order (priority,
         aged: streams/priority.py). A True reserves room until release()."""
@@ -106,7 +106,7 @@ class DownstreamAdmission:
             self._admitting[partition] += 1
         return True
 
-    def release(self, partition: int, offset: int, *, topic: str = "") -> None:
+    def release(self, partition: int, offset: int, *, topic: str) -> None:
         """The message's outputs are sent (or it failed): its reservation ends."""
         key = (topic, partition, offset)
         if key in self._reserved:

@@ -238,30 +238,30 @@ def test_a_partition_is_held_above_high_and_released_at_low_with_hysteresis():
 async def test_admission_waits_for_room_and_reserves_it():
     adm, _, sleep = admission(high=2)
     adm.update({0: 1, 1: 0})
-    assert await adm.wait_for_room(0, offset=10)  # 1 + 0 admitted < 2
+    assert await adm.wait_for_room(0, offset=10, topic="mm.events")  # 1 + 0 admitted < 2
     assert adm.estimate(0) == 2  # the reservation counts until release
 
     async def drain() -> None:
         while not sleep.waits:
             await asyncio.sleep(0)
-        adm.release(0, 10)
+        adm.release(0, 10, topic="mm.events")
         adm.update({0: 0, 1: 0})
 
-    admitted, _ = await asyncio.gather(adm.wait_for_room(0, offset=11), drain())
+    admitted, _ = await asyncio.gather(adm.wait_for_room(0, offset=11, topic="mm.events"), drain())
     assert admitted and sleep.waits and adm.estimate(0) == 1
 
 
 async def test_a_shedding_stage_turns_the_message_away_instead_of_waiting():
     adm, gate, sleep = admission(shedding=True, high=2)
     adm.update({0: 5, 1: 0})
-    assert not await adm.wait_for_room(0, offset=1)
+    assert not await adm.wait_for_room(0, offset=1, topic="mm.events")
     assert sleep.waits == [] and gate.held[0] is False  # shedding never holds the input
 
 
 def test_releasing_twice_or_an_unreserved_message_changes_nothing():
     adm, _, _ = admission()
     adm.update({0: 0, 1: 0})
-    adm.release(0, 99)
+    adm.release(0, 99, topic="mm.events")
     assert adm.estimate(0) == 0
 
 
