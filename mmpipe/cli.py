@@ -34,6 +34,12 @@ def _settings(bootstrap: str | None = None, **overrides: object) -> Settings:
     return settings.model_copy(update=updates) if updates else settings
 
 
+def _process_settings(role: str, bootstrap: str | None) -> Settings:
+    """A long-running process's settings: its Kafka client ID names its role."""
+    settings = _settings(bootstrap)
+    return settings.model_copy(update={"client_id": f"{settings.client_id}-{role}"})
+
+
 BootstrapOpt = Annotated[Optional[str], typer.Option(help="Kafka bootstrap servers (default: settings)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (one document, or one line per item) for scripts")]
 
@@ -91,7 +97,7 @@ def worker(stage: Annotated[str, typer.Argument(help=" | ".join(STAGE_NAMES))], 
         spec = stage_spec(stage)
     except UnknownStage as exc:
         raise typer.BadParameter(str(exc)) from None
-    settings = _settings(bootstrap)
+    settings = _process_settings(stage, bootstrap)
     logging.basicConfig(level=logging_level(settings.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stage_obj = spec.load_class()(settings, StageMetrics(stage))
     ready = os.environ.get(READY_FILE_ENV)
@@ -431,7 +437,7 @@ def api(
 
     from mmpipe.api import create_app
 
-    settings = _settings(bootstrap)
+    settings = _process_settings("api", bootstrap)
     if not settings.api_token and host not in ("127.0.0.1", "localhost", "::1"):
         if not insecure:
             console.print(f"[red]refusing to serve {host}:{port} without MMPIPE_API_TOKEN: set one, bind loopback, "

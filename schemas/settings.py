@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     # --- Kafka ---------------------------------------------------------------------------
     bootstrap: str = "127.0.0.1:9092"
     topic_prefix: str = "mm"
+    # Sent with every Kafka request; a stage process appends its stage name ("mmpipe-decode"),
+    # so the broker's request metrics, logs and client quotas tell the stages apart.
+    client_id: str = "mmpipe"
     partitions: int = Field(4, ge=1)
     replication: int = Field(1, ge=1)
     security: KafkaSecurity = KafkaSecurity()
@@ -125,6 +128,12 @@ class Settings(BaseSettings):
     # a second, and the first job after a quiet spell pays up to about this much per hop.
     fetch_idle_max_wait_ms: int = Field(500, ge=1)
     fetch_idle_after_s: float = Field(1.0, ge=0.0)
+    # Stages fed by other stages on this machine fetch when an upstream stage signals a record
+    # (streams/wakeup.py) instead of polling every fetch_max_wait_ms; a consumer that is not
+    # signalled fetches after this fallback, and records that arrive unannounced switch it back
+    # to polling. Off: plain polling (no gain on Apache Kafka, which long-polls).
+    fetch_wakeups: bool = True
+    fetch_wake_fallback_ms: int = Field(200, ge=1)
     commit_interval_s: float = 0.5
     max_message_bytes: int = 32 * 1024 * 1024
     # One record per producer batch. The embedded broker (Tansu) answers ListOffsets with the

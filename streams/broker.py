@@ -67,8 +67,11 @@ def _port_free(port: int, host: str) -> bool:
 
 class EmbeddedBroker:
     def __init__(self, host: str = "127.0.0.1", port: int = 9092, log_path: Path | None = None,
-                 cpus: set[int] | None = None) -> None:
+                 cpus: set[int] | None = None, advertised_port: int | None = None) -> None:
         self.host = host
+        # Where clients are told to connect after bootstrap; a counting proxy in front of the
+        # broker (benchmarks/broker_requests.py) advertises itself. None: the broker's own port.
+        self.advertised_port = advertised_port
         self.cpus = cpus  # pin the broker (all its threads) to these cores; None: no pinning
         self.port = port or free_port(host)
         self.log_path = log_path
@@ -83,7 +86,7 @@ class EmbeddedBroker:
         command = [
             broker_binary(), "broker",
             "--listener-url", url,
-            "--advertised-listener-url", url,
+            "--advertised-listener-url", f"tcp://{self.host}:{self.advertised_port or self.port}",
             "--storage-engine", "memory://tansu/",
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL

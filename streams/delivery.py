@@ -13,6 +13,7 @@ MessageDelivery carries one message; StageRuntime wires it to faust.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -28,7 +29,7 @@ from faust.sensors.prometheus import FaustMetrics
 from prometheus_client import REGISTRY
 
 from mmpipe.schemas.settings import Settings, secret
-from mmpipe.streams import affinity, transport
+from mmpipe.streams import affinity, transport, wakeup
 from mmpipe.streams.admission import DownstreamAdmission
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.failure import FailurePolicy
@@ -47,13 +48,17 @@ Send = Callable[[Outgoing], Awaitable["asyncio.Future[Any]"]]
 
 
 def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
-    scheme = transport.register(settings.fetch_max_wait_ms, settings.fetch_idle_max_wait_ms, settings.fetch_idle_after_s)
+    scheme = transport.register(
+        settings.fetch_max_wait_ms, settings.fetch_idle_max_wait_ms, settings.fetch_idle_after_s,
+        wakeup.listening_folder(settings, stage_name), settings.fetch_wake_fallback_ms,
+    )
     datadir = settings.state_path("faust")
     datadir.mkdir(parents=True, exist_ok=True)
     return faust.App(
         group_id(settings, stage_name),
         broker=f"{scheme}://{settings.bootstrap}",
         broker_credentials=_faust_credentials(settings),
+        broker_client_id=settings.client_id,
         value_serializer="raw",
         key_serializer="raw",
         web_enabled=False,
@@ -236,6 +241,7 @@ class StageRuntime:
             stage, self.failures, self.sender, self.poison, self.gate, self.admission,
             self._downstream[0] if self._downstream is not None else [],
         )
+        self._wakes = wakeup.WakeSender(wakeup.reader_folders(self.settings)) if self.settings.fetch_wakeups else None
         self._lag_reader: LagReader | None = None
         self._lag_schedule = LagReadSchedule(self.settings.lag_idle_interval_s)
         self._tasks: set[asyncio.Task] = set()
@@ -304,7 +310,15 @@ class StageRuntime:
         return await self._publish(out.topic, out.key, out.value, out.partition)
 
     async def _publish(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> asyncio.Future[Any]:
-        return await self.app.producer.send(topic, key, value, partition, None, None)
+        acked = await self.app.producer.send(topic, key, value, partition, None, None)
+        if self._wakes is not None:
+            acked.add_done_callback(functools.partial(self._wake_reader, topic))
+        return acked
+
+    def _wake_reader(self, topic: str, acked: asyncio.Future[Any]) -> None:
+        """The record is in the log: tell the stage that reads it (streams/wakeup.py)."""
+        if self._wakes is not None and not acked.cancelled() and acked.exception() is None:
+            self._wakes.notify(topic)
 
     # Lag and admission ----------------------------------------------------------------------
     async def _admit(self, message: Incoming, priority: int) -> bool:

@@ -54,6 +54,7 @@ def client_kwargs(settings: Settings) -> dict[str, Any]:
     sec = settings.security
     kwargs: dict[str, Any] = {
         "bootstrap_servers": settings.bootstrap,
+        "client_id": settings.client_id,
         "security_protocol": sec.security_protocol,
     }
     if sec.security_protocol.startswith("SASL"):

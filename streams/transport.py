@@ -20,6 +20,9 @@
 5. An idle consumer stops polling 50 times a second: the fetch wait backs off while nothing
    arrives and snaps back on the first records (see streams/fetch_wait.py); faust's wait for
    records follows it, so neither thread wakes more often than the broker answers.
+6. With wake-ups (streams/wakeup.py), a consumer whose producers are co-located stages asks for
+   fetches answered at once and, after one that found nothing, waits for a producer's wake-up
+   (or the fallback) before the next: it fetches when records are there, not 50 times a second.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from faust.utils.functional import consecutive_numbers
 from faust.transport.drivers import TRANSPORTS
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from pathlib import Path
+
 from mmpipe.streams.fetch_wait import AdaptiveFetchWait
+from mmpipe.streams.wakeup import FetchGate, WakeListener
 
 log = logging.getLogger(__name__)
 
@@ -44,29 +50,59 @@ SCHEME = "mmkafka"
 IDLE_POLL_S = 0.01
 # One faust app (one stage consumer) per process: register() sets its fetch-wait policy.
 FETCH_WAIT = AdaptiveFetchWait(base_ms=20, idle_max_ms=20, idle_after_s=1.0)
+# Where this process's consumer listens for wake-ups, and how long it waits for one after an
+# empty fetch (register()); None: no wake-ups, plain (adaptive) polling.
+WAKE_FOLDER: Path | None = None
+WAKE_FALLBACK_MS = 200
+WAKE: WakeListener | None = None  # the running listener, on the consumer thread's loop
 
 
 class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
     def _create_consumer(self, loop: Any) -> Any:
         consumer = super()._create_consumer(loop)
         # Read by aiokafka when it builds its fetcher in start(), which comes after this.
-        consumer._fetch_max_wait_ms = FETCH_WAIT.wait_ms  # noqa: SLF001
+        # With wake-ups the broker answers every fetch at once; the gate does the waiting. (1 ms:
+        # a fetch with a max wait of 0 never returned records from the embedded broker.)
+        consumer._fetch_max_wait_ms = 1 if WAKE_FOLDER is not None else FETCH_WAIT.wait_ms  # noqa: SLF001
         return consumer
 
     async def on_start(self) -> None:
+        global WAKE
         await super().on_start()
-        adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT)  # noqa: SLF001
+        gate = None
+        if WAKE_FOLDER is not None:
+            gate = FetchGate(WAKE_FALLBACK_MS)
+            WAKE = WakeListener(WAKE_FOLDER, gate)
+            WAKE.start()
+        adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT, gate)  # noqa: SLF001
+
+    async def on_thread_stop(self) -> None:
+        global WAKE
+        if WAKE is not None:
+            WAKE.close()
+            WAKE = None
+        await super().on_thread_stop()
 
 
-def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait) -> None:
-    """Feed every fetch's outcome to `policy` and send the next fetch with its wait. aiokafka
-    builds each fetch request from `_fetch_max_wait_ms` and looks `_proc_fetch_request` up on
-    the instance every round, so both can be set on the running fetcher."""
+def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait, gate: FetchGate | None = None) -> None:
+    """Feed every fetch's outcome to `policy` and send the next fetch with its wait; with a
+    `gate`, every fetch is answered at once and waits, before it goes, for a wake-up or the
+    wait the previous fetch's outcome set. aiokafka builds each fetch request from
+    `_fetch_max_wait_ms`, looks `_proc_fetch_request` up on the instance every round, sends a
+    node no new fetch while one is in flight, and hands records on only when the call returns:
+    so the wait goes before the fetch, never after records."""
     process = fetcher._proc_fetch_request  # noqa: SLF001
 
     async def proc_fetch_request(assignment: Any, node_id: int, request: Any) -> bool:
+        if gate is not None and not await gate.wait():
+            return False  # cancelled: the fetcher is closing or the assignment changed
         got_records = await process(assignment, node_id, request)
-        fetcher._fetch_max_wait_ms = policy.after_fetch(got_records, time.monotonic())  # noqa: SLF001
+        now = time.monotonic()
+        poll_ms = policy.after_fetch(got_records, now)
+        if gate is None:
+            fetcher._fetch_max_wait_ms = poll_ms  # noqa: SLF001
+        else:
+            gate.after_fetch(got_records, poll_ms, now)
         return got_records
 
     fetcher._proc_fetch_request = proc_fetch_request  # noqa: SLF001
@@ -100,6 +136,8 @@ class Consumer(faust_aiokafka.Consumer):
         tpset = ensure_TPset(tps)
         super().resume_partitions(tpset)
         self._buffered_partitions.difference_update(tpset)
+        if WAKE is not None:
+            WAKE.poke()  # records may be waiting there: fetch now, not after the gate's wait
 
     async def _getmany(self, active_partitions: Any, timeout: float) -> Any:
         # faust waits up to 1 s for records of the partitions that were active when the wait
@@ -170,9 +208,12 @@ class Transport(faust_aiokafka.Transport):
     Consumer = Consumer
 
 
-def register(fetch_max_wait_ms: int, idle_max_wait_ms: int | None = None, idle_after_s: float = 1.0) -> str:
-    """Install the transport; the fetch wait backs off to `idle_max_wait_ms` (None: never)."""
-    global FETCH_WAIT
+def register(fetch_max_wait_ms: int, idle_max_wait_ms: int | None = None, idle_after_s: float = 1.0,
+             wake_folder: Path | None = None, wake_fallback_ms: int = 200) -> str:
+    """Install the transport; the fetch wait backs off to `idle_max_wait_ms` (None: never);
+    with a `wake_folder` the consumer fetches on wake-ups (streams/wakeup.py)."""
+    global FETCH_WAIT, WAKE_FOLDER, WAKE_FALLBACK_MS
     FETCH_WAIT = AdaptiveFetchWait(fetch_max_wait_ms, idle_max_wait_ms or fetch_max_wait_ms, idle_after_s)
+    WAKE_FOLDER, WAKE_FALLBACK_MS = wake_folder, wake_fallback_ms
     TRANSPORTS.aliases[SCHEME] = f"{__name__}:Transport"
     return SCHEME

@@ -1,7 +1,8 @@
 """What the pipeline costs beside the model, under two settings in one run (issue 11).
 
-Variants: "adaptive" (this build's settings: idle consumers back their fetch wait off, lag
-read-outs pause while nothing moves) and "polling" (the settings before that: every consumer
+Variants: "adaptive" (this build's settings: stages fed by stages fetch on wake-ups, idle
+consumers back their fetch wait off, lag read-outs pause while nothing moves), "no wake-ups"
+(the same, every consumer polling) and "polling" (the settings before that: every consumer
 fetches with the short wait forever, lag is read twice a second). For each, with the headline
 batching policy and every stage process restarted with the variant's settings:
 
@@ -32,13 +33,15 @@ TOPIC_READ_TIMEOUT_S = 60.0
 
 def variants(settings: Settings) -> dict[str, dict[str, Any]]:
     """Settings overrides per variant; the first ("adaptive") is what the pipeline already runs.
-    Where it pins the model thread to its own cores (streams/affinity.py), "unpinned" is the
-    same without; "polling" is the settings before this work: no idle back-off, lag read twice
-    a second, no pinning."""
+    Where it uses wake-ups between stages (streams/wakeup.py), "no wake-ups" is the same
+    polling; "polling" is the settings before this work: no wake-ups, no idle back-off, lag
+    read twice a second, no pinning. (The pinning's own share was measured with an "unpinned"
+    variant: README, Efficiency.)"""
     out: dict[str, dict[str, Any]] = {"adaptive": {}}
-    if settings.model_cpus:
-        out["unpinned"] = {"model_cpus": []}
-    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": []}
+    if settings.fetch_wakeups:
+        out["no wake-ups"] = {"fetch_wakeups": False}
+    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": [],
+                      "fetch_wakeups": False}
     return out
 
 

@@ -45,7 +45,7 @@ REPORTED_SETTINGS = {
     "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
     "stream_buffer_maxsize", "decode_workers", "decode_threads", "inference_workers", "torch_threads",
     "video_sample_fps", "video_max_frames", "models", "device", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus",
-    "graph_mode",
+    "graph_mode", "fetch_wakeups", "fetch_wake_fallback_ms",
 }
 
 
@@ -390,7 +390,7 @@ class Runner:
         figures = flood["stats"]
         alone = self.curve.throughput(max(1, round(figures["mean_batch"])))
         return {
-            "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus")},
+            "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus", "fetch_wakeups")},
             "idle_s": cfg.idle_s,
             "idle_ms_per_s": idle,
             # Other users of a shared machine, in cores: the figures beside them are only as clean as these.

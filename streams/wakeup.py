@@ -1,0 +1,211 @@
+"""Wake-ups between co-located stages: a consumer fetches when records are there, not on a clock.
+
+The embedded broker (Tansu) holds a fetch that finds nothing for its whole max wait, so a stage
+consumer polls: a 20 ms wait is 50 fetches a second, each one a request the broker pays for
+whether or not records came. benchmarks/broker_requests.py counted them: at 5 image jobs/s
+fetches were 44 of a job's 63 requests, and 9 of 16 at saturation; the broker's CPU per job
+follows its request count (benchmarks/hop_latency.py). Apache Kafka long-polls and needs none of
+this; set `fetch_wakeups` false there.
+
+How: every consumer of a stage whose inputs come from other stages binds a Unix datagram
+socket in a folder per stage, shared by the pipeline's processes on this machine
+(`wake_folder`). A stage process, once the broker acknowledged a record, sends an empty datagram
+to every socket of the stage that reads the record's topic (`WakeSender`). The consumer asks for
+fetches the broker answers at once and holds each one until a datagram comes, or a wait runs
+out: the short polling wait after a fetch that found records, the fallback after an empty one
+(`FetchGate`, used by streams/transport.py). A hop then costs a datagram and a fetch or two
+instead of a poll every 20 ms.
+
+What cannot be lost: a datagram that never arrives (the producer is on another machine, or
+crashed between its ack and the datagram) delays its record by at most the fallback; a full
+socket queue drops a datagram only when others are waiting to be read. A consumer that finds
+records after waits no wake-up ended, and has had no wake-up for `UNANNOUNCED_HOLD_S`, has
+producers that never send them (another machine, an external client): it polls, as without
+wake-ups, until one comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams.topology import PIPELINE
+
+log = logging.getLogger(__name__)
+
+UNANNOUNCED_HOLD_S = 10.0  # records, and no wake-up for this long: the consumer polls
+LISTING_TTL_S = 1.0  # how long a sender trusts its listing of a stage's sockets
+
+
+def wake_folder(state_dir: Path, bootstrap: str, topic_prefix: str, stage: str) -> Path:
+    """The folder of `stage`'s wake-up sockets for one pipeline (state folder, broker, topic
+    prefix). Under the temp folder, hashed: a socket path must stay under 108 bytes."""
+    pipeline = f"{Path(state_dir).resolve()}|{bootstrap}|{topic_prefix}"
+    digest = hashlib.sha256(pipeline.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"mmpipe-wake-{os.getuid()}" / digest / stage
+
+
+def listening_folder(settings: Settings, stage: str) -> Path | None:
+    """Where `stage`'s consumers listen for wake-ups; None where they poll: wake-ups off, or the
+    first stage, whose input comes from outside the pipeline."""
+    if not settings.fetch_wakeups or not any(spec.downstream == stage for spec in PIPELINE):
+        return None
+    return wake_folder(settings.state_dir, settings.bootstrap, settings.topic_prefix, stage)
+
+
+def reader_folders(settings: Settings) -> dict[str, Path]:
+    """Topic name -> the wake folder of the stage that reads it, for every listening stage."""
+    folders = {}
+    for spec in PIPELINE:
+        folder = listening_folder(settings, spec.name)
+        if folder is not None:
+            folders.update({topic.name(settings.topic_prefix): folder for topic in spec.inputs})
+    return folders
+
+
+@dataclass
+class FetchGate:
+    """Holds each fetch until a wake-up or the wait the previous fetch's outcome set; the
+    clock is the caller's (transport.py feeds it; tests drive it). After records the wait is
+    the short polling wait, so records a fetch could not carry (a size limit) wait no longer
+    than they would polling; after an empty fetch it is the fallback, unless the consumer polls."""
+
+    fallback_ms: int
+    woken: asyncio.Event = field(default_factory=asyncio.Event)
+    polling: bool = False  # records came while no wake-up did: producers that never send them
+    last_wake_at: float = float("-inf")
+    next_wait_ms: int = 0  # the first fetch goes at once
+    _timed_out: bool = False
+
+    def wake(self, now: float) -> None:
+        self.last_wake_at = now
+        self.polling = False
+        self.woken.set()
+
+    def after_fetch(self, got_records: bool, poll_ms: int, now: float) -> None:
+        """Set the next fetch's wait; `poll_ms` is the polling wait (the adaptive fetch wait),
+        which it never undercuts. Records found after a wait that no wake-up ended, with no
+        wake-up for a while, mean producers that do not send them (another machine, an external
+        client): then poll. A wake-up only late for its record (it follows the ack) does not
+        count: others came before it."""
+        if got_records and self._timed_out and now - self.last_wake_at > UNANNOUNCED_HOLD_S and not self.polling:
+            log.info("records arrive without wake-ups: polling every fetch wait until one comes")
+            self.polling = True
+        self._timed_out = False
+        self.next_wait_ms = poll_ms if got_records or self.polling else max(poll_ms, self.fallback_ms)
+
+    async def wait(self) -> bool:
+        """Until a wake-up or the next fetch's wait, then clear the wake-up (one for a record
+        the coming fetch misses arrives after it); True when the fetch may go. Cancelled, it
+        returns False instead of raising: aiokafka's fetcher, closing or reassigned, awaits
+        its cancelled fetch tasks and expects them to return, as its own do."""
+        try:
+            await asyncio.wait_for(self.woken.wait(), self.next_wait_ms / 1000)
+        except asyncio.TimeoutError:
+            self._timed_out = self.next_wait_ms > 0  # the first fetch waits for nothing
+        except asyncio.CancelledError:
+            return False
+        self.woken.clear()
+        return True
+
+
+class WakeListener:
+    """This process's socket in its stage's wake folder; each datagram sets `gate.woken`.
+    Runs on the loop that fetches (faust's consumer thread)."""
+
+    def __init__(self, folder: Path, gate: FetchGate) -> None:
+        self.path = folder / str(os.getpid())
+        self.gate = gate
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a socket left by an earlier process with this pid
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(str(self.path))
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._drain)
+        self._sock = sock
+
+    def _drain(self) -> None:
+        assert self._sock is not None
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self._sock.recv(64)
+        self.gate.wake(time.monotonic())
+
+    def poke(self) -> None:
+        """Wake the gate from any thread (a resumed partition may have records waiting)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.gate.woken.set)
+
+    def close(self) -> None:
+        if self._sock is None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        self._sock = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class WakeSender:
+    """Sends a wake-up to the stage that reads a topic, after a record to it was acknowledged.
+    `reader_folders` maps topic names to the reading stage's wake folder."""
+
+    def __init__(self, reader_folders: dict[str, Path]) -> None:
+        self.reader_folders = reader_folders
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._listings: dict[Path, tuple[float, list[str]]] = {}
+
+    def notify(self, topic: str) -> None:
+        folder = self.reader_folders.get(topic)
+        if folder is None:
+            return
+        for path in self._listing(folder):
+            try:
+                self._sock.sendto(b"", path)
+            except BlockingIOError:
+                pass  # its queue is full: it has wake-ups to read already
+            except ConnectionRefusedError:
+                self._forget(folder, path, stale=True)
+            except OSError:  # gone, or not ours to write to: never fail a send over a wake-up
+                self._forget(folder, path, stale=False)
+
+    def _listing(self, folder: Path) -> list[str]:
+        now = time.monotonic()
+        cached = self._listings.get(folder)
+        if cached is None or now - cached[0] > LISTING_TTL_S:
+            try:
+                paths = [entry.path for entry in os.scandir(folder)]
+            except FileNotFoundError:
+                paths = []
+            cached = (now, paths)
+            self._listings[folder] = cached
+        return cached[1]
+
+    def _forget(self, folder: Path, path: str, stale: bool) -> None:
+        """Drop a socket nobody listens on; `stale`: its process is gone (SIGKILL leaves the
+        file), so remove the file too."""
+        with contextlib.suppress(ValueError):
+            self._listings[folder][1].remove(path)
+        if stale:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def close(self) -> None:
+        self._sock.close()

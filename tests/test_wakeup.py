@@ -1,0 +1,166 @@
+"""Wake-ups between co-located stages (streams/wakeup.py): the gate's waits under a fake
+clock, and real Unix datagram sockets between a sender and a listener."""
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams import wakeup
+from mmpipe.streams.wakeup import UNANNOUNCED_HOLD_S, FetchGate, WakeListener, WakeSender, listening_folder, reader_folders
+
+
+def test_waits_after_records_are_the_polling_wait_and_after_nothing_the_fallback():
+    gate = FetchGate(fallback_ms=200)
+    assert gate.next_wait_ms == 0  # the first fetch goes at once
+    gate.wake(0.0)
+    gate.after_fetch(True, 20, 0.1)
+    assert gate.next_wait_ms == 20  # more records may be waiting that the fetch could not carry
+    gate.after_fetch(False, 20, 0.2)
+    assert gate.next_wait_ms == 200
+    gate.after_fetch(False, 500, 5.0)  # an idle consumer's backed-off wait is longer still
+    assert gate.next_wait_ms == 500
+
+
+def test_records_without_any_wake_up_switch_to_polling_until_one_comes():
+    async def run() -> None:
+        gate = FetchGate(fallback_ms=1)
+        gate.after_fetch(False, 20, now=99.9)
+        await gate.wait()  # times out: nobody wakes it
+        gate.after_fetch(True, 20, now=100.0)  # records, and never a wake-up
+        assert gate.polling and gate.next_wait_ms == 20
+        gate.after_fetch(False, 20, now=100.1)
+        assert gate.next_wait_ms == 20  # polling: no fallback wait after an empty fetch
+        gate.wake(100.2)
+        assert not gate.polling
+        gate.fallback_ms = 200
+        gate.after_fetch(False, 20, now=100.3)
+        assert gate.next_wait_ms == 200  # wake-ups again: back to the fallback
+
+    asyncio.run(run())
+
+
+def test_a_wake_up_late_for_its_record_does_not_switch_to_polling():
+    async def run() -> None:
+        gate = FetchGate(fallback_ms=1)
+        gate.after_fetch(False, 20, now=49.9)
+        gate.wake(50.0)
+        await gate.wait()  # returns at once (woken) and clears the wake-up
+        await gate.wait()  # times out: the record's wake-up is still on its way
+        gate.after_fetch(True, 20, now=50.0 + UNANNOUNCED_HOLD_S / 2)
+        assert not gate.polling
+
+    asyncio.run(run())
+
+
+def test_a_wake_up_ends_the_fallback_wait_and_a_cancelled_wait_returns():
+    async def run() -> None:
+        gate = FetchGate(fallback_ms=60_000)
+        gate.after_fetch(False, 20, 0.0)
+        waiting = asyncio.ensure_future(gate.wait())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        gate.wake(0.1)
+        assert await asyncio.wait_for(waiting, 5)  # far sooner than the minute-long fallback
+        assert not gate.woken.is_set()  # cleared for the next fetch
+        waiting = asyncio.ensure_future(gate.wait())
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        assert await asyncio.wait_for(waiting, 5) is False  # no fetch; aiokafka awaits cancelled fetch tasks
+
+    asyncio.run(run())
+
+
+def test_a_sent_wake_up_reaches_the_listener_of_the_stage_reading_the_topic(tmp_path):
+    folder = tmp_path / "wake" / "preprocess"
+
+    async def run() -> None:
+        gate = FetchGate(fallback_ms=60_000)
+        listener = WakeListener(folder, gate)
+        listener.start()
+        sender = WakeSender({"mm.decoded": folder})
+        try:
+            sender.notify("mm.other")  # a topic nobody here listens to: nothing sent
+            await asyncio.sleep(0.05)
+            assert not gate.woken.is_set()
+            sender.notify("mm.decoded")
+            await asyncio.wait_for(gate.woken.wait(), 5)
+            assert gate.last_wake_at > 0
+        finally:
+            listener.close()
+            sender.close()
+        assert not listener.path.exists()
+
+    asyncio.run(run())
+
+
+def test_a_socket_left_by_a_killed_process_is_removed_and_a_missing_folder_is_no_error(tmp_path):
+    folder = tmp_path / "inference"
+    folder.mkdir()
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    left.bind(str(folder / "12345"))
+    left.close()  # what SIGKILL leaves: the file, nobody reading it
+    sender = WakeSender({"mm.ready": folder, "mm.predictions": tmp_path / "absent"})
+    sender.notify("mm.ready")
+    sender.notify("mm.predictions")
+    sender.close()
+    assert not (folder / "12345").exists()
+
+
+def test_only_stages_fed_by_stages_listen_and_socket_paths_stay_short(tmp_path):
+    deep = tmp_path / ("x" * 150)
+    settings = Settings(state_dir=deep, topic_prefix="mm", fetch_wakeups=True)
+    assert listening_folder(settings, "decode") is None  # its events come from outside
+    folders = reader_folders(settings)
+    assert set(folders) == {"mm.decoded", "mm.decoded.high", "mm.ready", "mm.ready.high", "mm.predictions",
+                            "mm.dead-letter", "mm.status"}
+    socket_path = folders["mm.ready"] / str(2 ** 22)  # the largest pid
+    assert len(os.fsencode(socket_path)) < 108  # sun_path's limit
+    assert reader_folders(settings.model_copy(update={"fetch_wakeups": False})) == {}
+    other = settings.model_copy(update={"topic_prefix": "mm2"})
+    assert wakeup.listening_folder(other, "sink") != listening_folder(settings, "sink")  # one folder per pipeline
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "inference", "sink"])
+def test_listening_folders_are_per_stage(stage):
+    settings = Settings(state_dir=Path("/tmp/state"))
+    folder = listening_folder(settings, stage)
+    assert folder is not None and folder.name == stage
+
+
+class FakeFetcher:
+    """What adapt_fetch_wait touches on aiokafka's fetcher: the wait and the fetch call."""
+
+    def __init__(self, answers: list[bool]) -> None:
+        self._fetch_max_wait_ms = 1
+        self.answers = answers
+        self.fetched = 0
+
+    async def _proc_fetch_request(self, assignment, node_id, request) -> bool:
+        self.fetched += 1
+        return self.answers.pop(0)
+
+
+def test_the_transport_holds_each_fetch_at_the_gate_and_sends_none_when_cancelled():
+    from mmpipe.streams.fetch_wait import AdaptiveFetchWait
+    from mmpipe.streams.transport import adapt_fetch_wait
+
+    async def run() -> None:
+        fetcher = FakeFetcher([True, False])
+        gate = FetchGate(fallback_ms=60_000)
+        adapt_fetch_wait(fetcher, AdaptiveFetchWait(20, 500, 1.0), gate)
+        assert await fetcher._proc_fetch_request(None, 0, None)  # the first fetch goes at once
+        assert not await fetcher._proc_fetch_request(None, 0, None)  # after records: the 20 ms wait
+        assert fetcher.fetched == 2 and gate.next_wait_ms == 60_000
+        held = asyncio.ensure_future(fetcher._proc_fetch_request(None, 0, None))
+        await asyncio.sleep(0.05)
+        assert fetcher.fetched == 2  # held: nothing woke it
+        held.cancel()
+        assert await asyncio.wait_for(held, 5) is False
+        assert fetcher.fetched == 2  # a cancelled wait sends no fetch
+        assert fetcher._fetch_max_wait_ms == 1  # the broker answers gated fetches at once
+
+    asyncio.run(run())
