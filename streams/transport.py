@@ -61,8 +61,8 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
     def _create_consumer(self, loop: Any) -> Any:
         consumer = super()._create_consumer(loop)
         # Read by aiokafka when it builds its fetcher in start(), which comes after this.
-        # With wake-ups the broker answers every fetch at once; the gate does the waiting. (1 ms:
-        # a fetch with a max wait of 0 never returned records from the embedded broker.)
+        # With wake-ups the broker answers fetches at once and the gate does the waiting
+        # (FetchGate.fetch_max_wait_ms).
         consumer._fetch_max_wait_ms = 1 if WAKE_FOLDER is not None else FETCH_WAIT.wait_ms  # noqa: SLF001
         return consumer
 
@@ -103,6 +103,7 @@ def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait, gate: FetchGate | 
             fetcher._fetch_max_wait_ms = poll_ms  # noqa: SLF001
         else:
             gate.after_fetch(got_records, poll_ms, now)
+            fetcher._fetch_max_wait_ms = gate.fetch_max_wait_ms(poll_ms)  # noqa: SLF001
         return got_records
 
     fetcher._proc_fetch_request = proc_fetch_request  # noqa: SLF001

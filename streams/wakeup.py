@@ -20,8 +20,8 @@ What cannot be lost: a datagram that never arrives (the producer is on another m
 crashed between its ack and the datagram) delays its record by at most the fallback; a full
 socket queue drops a datagram only when others are waiting to be read. A consumer that finds
 records after waits no wake-up ended, and has had no wake-up for `UNANNOUNCED_HOLD_S`, has
-producers that never send them (another machine, an external client): it polls, as without
-wake-ups, until one comes.
+producers that never send them (another machine, an external client): it polls exactly as
+without wake-ups (the broker holds each fetch for the polling wait) until one comes.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class FetchGate:
     """Holds each fetch until a wake-up or the wait the previous fetch's outcome set; the
     clock is the caller's (transport.py feeds it; tests drive it). After records the wait is
     the short polling wait, so records a fetch could not carry (a size limit) wait no longer
-    than they would polling; after an empty fetch it is the fallback, unless the consumer polls."""
+    than they would polling; after an empty fetch it is the fallback. A consumer that polls
+    (records without wake-ups) does not wait here: its fetches are held by the broker again."""
 
     fallback_ms: int
     woken: asyncio.Event = field(default_factory=asyncio.Event)
@@ -101,7 +102,16 @@ class FetchGate:
             log.info("records arrive without wake-ups: polling every fetch wait until one comes")
             self.polling = True
         self._timed_out = False
-        self.next_wait_ms = poll_ms if got_records or self.polling else max(poll_ms, self.fallback_ms)
+        if self.polling:
+            self.next_wait_ms = 0  # the broker holds the fetch instead (fetch_max_wait_ms)
+        else:
+            self.next_wait_ms = poll_ms if got_records else max(poll_ms, self.fallback_ms)
+
+    def fetch_max_wait_ms(self, poll_ms: int) -> int:
+        """What the next fetch asks the broker to hold it for: the polling wait while polling
+        (as without wake-ups: Apache Kafka answers such a fetch as soon as records come), else
+        1 ms (a fetch with a max wait of 0 never returned records from the embedded broker)."""
+        return poll_ms if self.polling else 1
 
     async def wait(self) -> bool:
         """Until a wake-up or the next fetch's wait, then clear the wake-up (one for a record

@@ -4,13 +4,18 @@ clock, and real Unix datagram sockets between a sender and a listener."""
 import asyncio
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
+from mmpipe.client import make_event
 from mmpipe.schemas.settings import Settings
+from mmpipe.supervisor import Pipeline
 from mmpipe.streams import wakeup
 from mmpipe.streams.wakeup import UNANNOUNCED_HOLD_S, FetchGate, WakeListener, WakeSender, listening_folder, reader_folders
+from tests.conftest import make_settings
+from tests.helpers import publish, wait_for_results
 
 
 def test_waits_after_records_are_the_polling_wait_and_after_nothing_the_fallback():
@@ -31,14 +36,15 @@ def test_records_without_any_wake_up_switch_to_polling_until_one_comes():
         gate.after_fetch(False, 20, now=99.9)
         await gate.wait()  # times out: nobody wakes it
         gate.after_fetch(True, 20, now=100.0)  # records, and never a wake-up
-        assert gate.polling and gate.next_wait_ms == 20
+        assert gate.polling and gate.next_wait_ms == 0
         gate.after_fetch(False, 20, now=100.1)
-        assert gate.next_wait_ms == 20  # polling: no fallback wait after an empty fetch
+        # Polling as without wake-ups: no wait at the gate, the broker holds the fetch.
+        assert gate.next_wait_ms == 0 and gate.fetch_max_wait_ms(20) == 20
         gate.wake(100.2)
         assert not gate.polling
         gate.fallback_ms = 200
         gate.after_fetch(False, 20, now=100.3)
-        assert gate.next_wait_ms == 200  # wake-ups again: back to the fallback
+        assert gate.next_wait_ms == 200 and gate.fetch_max_wait_ms(20) == 1  # wake-ups again
 
     asyncio.run(run())
 
@@ -164,3 +170,26 @@ def test_the_transport_holds_each_fetch_at_the_gate_and_sends_none_when_cancelle
         assert fetcher._fetch_max_wait_ms == 1  # the broker answers gated fetches at once
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_whose_producer_sends_no_wake_ups_polls_and_loses_nothing(broker, tmp_path, media_dir):
+    """Decode sends no wake-ups (as on another machine) while preprocess waits for them with a
+    3 s fallback: preprocess notices records nobody announced and polls, so jobs after the
+    first do not wait out the fallback, and every job comes back."""
+    fallback_ms = 3000
+    settings = make_settings(broker.bootstrap, tmp_path, media_dir, fetch_wake_fallback_ms=fallback_ms)
+    pipeline = Pipeline(settings, workdir=tmp_path, embedded_broker=False,
+                        replica_overrides={("decode", 0): {"fetch_wakeups": False}}).start()
+    try:
+        job_ids = []
+        for i in range(8):  # one at a time: each would meet a consumer waiting out its fallback
+            job_ids += publish(settings, [make_event("text", text=f"Sentence number {i} for the embedding model.")])
+            time.sleep(0.4)
+        results = wait_for_results(settings, job_ids)
+    finally:
+        pipeline.stop()
+    assert all(result.status == "ok" for result in results.values())
+    later = sorted(results[job_id].timings.queue_preprocess_ms for job_id in job_ids[4:])
+    assert later[-1] < fallback_ms / 2, later  # polled, not held until the fallback
+    assert "records arrive without wake-ups: polling" in (tmp_path / "preprocess-0.log").read_text()
