@@ -97,6 +97,7 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
         warmup_jobs_min=2,
         poisson_s=3.0,
         result_timeout_s=120.0,
+        efficiency_rounds=1,  # ABBA rounds: test_efficiency_rounds_*
     )
     result = run_bench(cfg)
 
@@ -310,3 +311,33 @@ def test_saturation_throughput_is_the_staircase_slope_while_fed_and_not_a_clump(
     tiny += [_done(f"t{i}", 0.6, 1.0 + 0.25 * (i - 4)) for i in range(4, 8)]
     figure = stats.run_stats(tiny, 8, flood=True)["throughput"]
     assert figure == pytest.approx(7 / (1.75 - 0.5), rel=1e-3)
+
+
+def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_order():
+    from mmpipe.harness.bench import efficiency
+    from mmpipe.schemas.settings import load_settings
+
+    settings = load_settings().model_copy(update={"fetch_wakeups": True})
+    variants = efficiency.variants(settings)
+    assert list(variants) == ["adaptive", "no wake-ups", "polling"]
+    keys = set(variants["polling"])
+    assert all(set(o) == keys for o in variants.values())  # each applies alone, whatever ran before
+    assert variants["adaptive"] == {k: getattr(settings, k) for k in keys}  # this build's own settings
+    assert variants["no wake-ups"]["fetch_wakeups"] is False
+    order = [name for name, _ in efficiency.round_order(variants, 3)]
+    assert order == ["adaptive", "no wake-ups", "polling", "polling", "no wake-ups", "adaptive",
+                     "adaptive", "no wake-ups", "polling"]
+
+
+def test_efficiency_rounds_are_averaged_leaf_by_leaf_and_kept():
+    from mmpipe.harness.bench import efficiency
+
+    one = {"idle_s": 30.0, "settings": {"fetch_wakeups": True, "model_cpus": [1]},
+           "saturation": {"throughput": 20.0, "cpu": {"per_process_ms": {"broker": 6.0, "sink-0": 4.0}}}}
+    two = {"idle_s": 30.0, "settings": {"fetch_wakeups": True, "model_cpus": [1]},
+           "saturation": {"throughput": 30.0, "cpu": {"per_process_ms": {"broker": 9.0, "sink-0": 5.0}}}}
+    merged = efficiency.mean_of_rounds([one, two])
+    assert merged["saturation"]["throughput"] == 25.0
+    assert merged["saturation"]["cpu"]["per_process_ms"] == {"broker": 7.5, "sink-0": 4.5}
+    assert merged["settings"] == {"fetch_wakeups": True, "model_cpus": [1]}  # not numbers: the first round's
+    assert merged["rounds"] == [one, two]

@@ -70,6 +70,9 @@ class BenchConfig:
     priority_s: float = 30.0
     idle_s: float = 30.0  # efficiency: the idle window, after idle_settle_s without jobs
     idle_settle_s: float = 5.0
+    # Efficiency variants in ABBA order (in order, then reversed, ...), each on fresh topics;
+    # the figures are the mean of the rounds, and drift between consecutive runs cancels out.
+    efficiency_rounds: int = 2
     policies: tuple[str, ...] = ("dynamic", "off", "static")  # which of the main three run
     result_timeout_s: float = 600.0
     # Speech scenario (speech.py); the defaults are the recorded run's.

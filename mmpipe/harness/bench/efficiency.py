@@ -1,13 +1,14 @@
-"""What the pipeline costs beside the model, under two settings in one run (issue 11).
+"""What the pipeline costs beside the model, under several settings in one run (issue 11).
 
 Variants: "adaptive" (this build's settings: stages fed by stages fetch on wake-ups, idle
 consumers back their fetch wait off, lag read-outs pause while nothing moves), "no wake-ups"
 (the same, every consumer polling) and "polling" (the settings before that: every consumer
-fetches with the short wait forever, lag is read twice a second). For each, with the headline
-batching policy and every stage process restarted with the variant's settings:
+fetches with the short wait forever, lag is read twice a second). Each runs with the headline
+batching policy, every stage process restarted with the variant's settings on fresh topics, in
+ABBA order (`BenchConfig.efficiency_rounds`); the figures are the mean of its rounds. A round:
 
 1. idle: no jobs for `idle_s`, CPU per process (the broker too) in ms per wall second;
-2. latency at 30% load: a seeded Poisson run (the same arrivals for both variants), p50;
+2. latency at 30% load: a seeded Poisson run (the same arrivals for every variant), p50;
 3. saturation: the closed-loop flood, CPU per job of every process, the model's own CPU per
    item (model alone, same batch size) subtracted for "outside the model", and the bytes each
    topic carried per job (read back from the broker: key + value of every record the run added).
@@ -42,7 +43,35 @@ def variants(settings: Settings) -> dict[str, dict[str, Any]]:
         out["no wake-ups"] = {"fetch_wakeups": False}
     out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": [],
                       "fetch_wakeups": False}
-    return out
+    # Every variant names every setting any of them changes, so each applies on its own,
+    # whichever variant ran before it.
+    changed = {key for overrides in out.values() for key in overrides}
+    return {name: {key: getattr(settings, key) for key in changed} | overrides for name, overrides in out.items()}
+
+
+def round_order(variants: dict[str, dict[str, Any]], rounds: int) -> list[tuple[str, dict[str, Any]]]:
+    """ABBA: the variants in order, then reversed, and so on for `rounds` rounds, so that a
+    drift over the run (the machine, the broker) weighs on every variant alike."""
+    forward = list(variants.items())
+    return [item for r in range(rounds) for item in (forward if r % 2 == 0 else forward[::-1])]
+
+
+def mean_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's figures as the mean over its rounds (numbers averaged leaf by leaf, the
+    rest taken from the first round), with each round's own figures under "rounds"."""
+    merged = _mean(rounds)
+    merged["rounds"] = rounds
+    return merged
+
+
+def _mean(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, dict):
+        return {key: _mean([v[key] for v in values if isinstance(v, dict) and key in v]) for key in first}
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if numbers and len(numbers) == len(values):
+        return round(sum(numbers) / len(numbers), 3)
+    return first
 
 
 def model_cores(spec: str, device: str, threads: int) -> list[int]:

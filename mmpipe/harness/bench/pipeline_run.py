@@ -184,16 +184,17 @@ class BenchPipeline:
         self.pipeline.wait_ready(timeout_s, new)
         self._watch_all()
 
-    def fresh_topics(self, policy: Policy, topology: Topology = Topology(), timeout_s: float = 300.0) -> None:
+    def fresh_topics(self, policy: Policy, topology: Topology = Topology(), timeout_s: float = 300.0,
+                     overrides: dict[str, Any] | None = None) -> None:
         """Restart every stage on a new topic prefix (new topics, new groups), inference with
-        `policy` and `topology`: one restart of everything rather than set_policy's and then
-        this one's. The embedded broker's cost per request grows with the records a partition
-        already holds (benchmarks/broker_log_growth.py), so runs that are compared start on
-        empty topics."""
+        `policy` and `topology`, and with `overrides` of the settings: one restart of everything
+        rather than set_policy's and then this one's. The embedded broker's cost per request
+        grows with the records a partition already holds (benchmarks/broker_log_growth.py), so
+        runs that are compared start on empty topics."""
         prefix = f"{self.settings.topic_prefix.split('-')[0]}-{uuid.uuid4().hex[:6]}"
         asyncio.run(ensure_topics(self.settings.model_copy(update={"topic_prefix": prefix})))
         self._apply(policy, topology)
-        self.restart_stages({"topic_prefix": prefix}, timeout_s, inference_replicas=topology.replicas)
+        self.restart_stages({**(overrides or {}), "topic_prefix": prefix}, timeout_s, inference_replicas=topology.replicas)
         self.policy, self.topology = policy, topology
 
     def _pin_broker(self) -> None:

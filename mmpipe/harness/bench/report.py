@@ -156,8 +156,9 @@ def priority_table(run: dict[str, Any]) -> Table:
 def efficiency_table(eff: dict[str, Any]) -> Table:
     """Every efficiency figure per settings variant, and the ratio of the first to the others."""
     names = list(eff)
-    table = Table(title="efficiency: idle CPU, CPU and bytes per job at saturation, per settings variant (one run; "
-                        "ms/s: 10 = 1% of a core)")
+    rounds = max(len(v.get("rounds", [])) for v in eff.values()) or 1
+    table = Table(title="efficiency: idle CPU, CPU and bytes per job at saturation, per settings variant (one run, each "
+                        f"variant's mean of {rounds} round(s) in ABBA order on fresh topics; ms/s: 10 = 1% of a core)")
     table.add_column("figure", justify="left")
     for name in names:
         table.add_column(name, justify="right")
@@ -177,7 +178,7 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
         for v in variants:
             try:
                 values.append(get(v))
-            except (KeyError, TypeError):
+            except (KeyError, TypeError, IndexError):
                 values.append(None)
         return label, values
 
@@ -199,6 +200,12 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
         row("throughput / model alone (same batch)", lambda v: v["saturation"]["ratio_to_model_alone"]),
         row("execute inflation (in pipeline / alone)", lambda v: v["saturation"]["execute_inflation"]),
     ]
+    rounds = max(len(v.get("rounds", [])) for v in variants)
+    if rounds > 1:  # the spread between a variant's rounds, beside the ratios of their means
+        for label, get in (("CPU ms/job outside the model", lambda r: r["saturation"]["cpu"]["outside_model_ms"]),
+                           ("saturation jobs/s", lambda r: r["saturation"]["throughput"]),
+                           ("p50 e2e ms at 30% load", lambda r: r["light_load"]["p50_ms"])):
+            rows += [row(f"{label}, round {i + 1}", lambda v, i=i, get=get: get(v["rounds"][i])) for i in range(rounds)]
     rows += [row(f"bytes/job {t}", lambda v, t=t: v["bytes_per_job"][t]["bytes"]) for t in topics]
     rows += [row(f"records/job {t}", lambda v, t=t: v["bytes_per_job"][t]["records"]) for t in topics]
     return rows

@@ -187,7 +187,7 @@ class Runner:
         if "degraded" in scen:
             self.degraded()
         if "efficiency" in scen:
-            self.efficiency()  # last: it leaves the stages on the "polling" settings
+            self.efficiency()  # last: it leaves the stages on one variant's settings
 
     def speech_phase(self) -> dict[str, Any]:
         """Whisper tiny.en under off / request-level / continuous decoder scheduling (speech.py);
@@ -248,12 +248,13 @@ class Runner:
             self.execute(traffic.flood(warm, self.cfg.modality, self.cfg.seed), "warm-up", policy, record=False, simulate_it=False)
             self._warm = True
 
-    def fresh_start(self, policy: Policy, topology: Topology) -> None:
-        """Every stage restarted on fresh topics with this policy and topology, then warmed up."""
+    def fresh_start(self, policy: Policy, topology: Topology = Topology(), overrides: dict[str, Any] | None = None) -> None:
+        """Every stage restarted on fresh topics with this policy, topology and settings
+        overrides, then warmed up."""
         assert self.bench is not None
         with self.console.status(f"every stage onto fresh topics with {policy.label} ({topology.replicas} replica(s))..."):
             started = time.monotonic()
-            self.bench.fresh_topics(policy, topology)
+            self.bench.fresh_topics(policy, topology, overrides=overrides)
         self.say(f"fresh topics, every stage restarted with [bold]{policy.label}[/] in {time.monotonic() - started:.1f}s")
         self._warm = False
         self.use(policy, topology)  # already in force: only the warm-up runs
@@ -363,13 +364,13 @@ class Runner:
         variant (efficiency.py), every stage restarted with the variant's settings."""
         assert self.bench is not None and self.curve is not None
         headline = self.policies["headline"]
-        for variant, overrides in efficiency.variants(self.bench.settings).items():
-            if overrides:
-                with self.console.status(f"restarting every stage with the {variant} settings..."):
-                    self.bench.restart_stages(overrides)
-                self._warm = False
-            self.use(headline)
-            self.efficiency_result[variant] = self.efficiency_variant(variant, headline)
+        variants = efficiency.variants(self.bench.settings)
+        measured: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
+        for variant, overrides in efficiency.round_order(variants, self.cfg.efficiency_rounds):
+            self.say(f"efficiency round {len(measured[variant]) + 1}/{self.cfg.efficiency_rounds}: [bold]{variant}[/]")
+            self.fresh_start(headline, overrides=overrides)  # no variant pays for the records of the one before
+            measured[variant].append(self.efficiency_variant(variant, headline))
+        self.efficiency_result = {variant: efficiency.mean_of_rounds(rounds) for variant, rounds in measured.items()}
 
     def efficiency_variant(self, variant: str, policy: Policy) -> dict[str, Any]:
         assert self.bench is not None and self.curve is not None
