@@ -91,7 +91,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--samples", type=Path, help="print the tables of an earlier run's folder of samples instead")
     args = parser.parse_args()
+    if args.samples:
+        for path in sorted(args.samples.glob("*.txt")):
+            print_process(Console(width=200), path.stem, path, args.top, float("nan"))
+        return
     py_spy = shutil.which("py-spy") or str(Path(os.sys.executable).parent / "py-spy")
     console = Console(width=200)
     workdir = Path(tempfile.mkdtemp(prefix="profile-stages-"))
