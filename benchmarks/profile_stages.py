@@ -1,8 +1,9 @@
 """Where each stage process spends its CPU at saturation: py-spy samples every stage process
 (and the bench's own client) during a flood of image jobs, and this prints, per process, the
-functions with the most samples on CPU (self time) and the project's functions with the most
-samples anywhere below them (inclusive time). Idle samples are dropped (py-spy --idle off), so
-the shares are of CPU time, not wall time.
+functions with the most samples (self time) and the project's functions with the most samples
+anywhere below them (inclusive time). Idle threads are left out by py-spy's own test, which
+still counts a thread just woken in epoll as active: the shares overstate event-loop waiting
+and are not CPU time (the CPU ms per job beside each table are, from /proc).
 
 Read it to find what to cut; measure a cut with `mmpipe bench --scenario efficiency`, not here
 (py-spy's sampling costs each process a little CPU of its own).
@@ -17,7 +18,9 @@ import argparse
 import collections
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -70,7 +73,7 @@ def print_process(console: Console, name: str, path: Path, top: int, cpu_ms_per_
     if not total:
         console.print(f"{name}: no samples")
         return
-    table = Table(title=f"{name}: {total} samples on CPU, {cpu_ms_per_job:.1f} CPU ms per job")
+    table = Table(title=f"{name}: {total} samples of active threads, {cpu_ms_per_job:.1f} CPU ms per job")
     table.add_column("self %", justify="right")
     table.add_column("leaf function")
     table.add_column("incl %", justify="right")
@@ -97,7 +100,7 @@ def main() -> None:
         for path in sorted(args.samples.glob("*.txt")):
             print_process(Console(width=200), path.stem, path, args.top, float("nan"))
         return
-    py_spy = shutil.which("py-spy") or str(Path(os.sys.executable).parent / "py-spy")
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     console = Console(width=200)
     workdir = Path(tempfile.mkdtemp(prefix="profile-stages-"))
     settings = load_settings().model_copy(update=dict(
@@ -121,7 +124,7 @@ def main() -> None:
         data = bench.run(traffic.flood(args.jobs, "image", args.seed), work, "flood", timeout_s=300,
                          outstanding=args.outstanding)
         for spy in spies.values():
-            spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
+            spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
         for spy in spies.values():
             spy.wait(30)
     finally:

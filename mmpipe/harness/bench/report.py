@@ -156,7 +156,7 @@ def priority_table(run: dict[str, Any]) -> Table:
 def efficiency_table(eff: dict[str, Any]) -> Table:
     """Every efficiency figure per settings variant, and the ratio of the first to the others."""
     names = list(eff)
-    rounds = max(len(v.get("rounds", [])) for v in eff.values()) or 1
+    rounds = _rounds(list(eff.values()))
     table = Table(title="efficiency: idle CPU, CPU and bytes per job at saturation, per settings variant (one run, each "
                         f"variant's mean of {rounds} round(s) in ABBA order on fresh topics; ms/s: 10 = 1% of a core)")
     table.add_column("figure", justify="left")
@@ -168,6 +168,11 @@ def efficiency_table(eff: dict[str, Any]) -> Table:
         ratios = [_ratio(values[0], v) for v in values[1:]]
         table.add_row(label, *(_num(v, 2 if label.startswith("other") else 1) for v in values), *ratios)
     return table
+
+
+def _rounds(variants: list[dict[str, Any]]) -> int:
+    """How many rounds the efficiency variants ran (results before ABBA rounds had one)."""
+    return max((len(v.get("rounds", [])) for v in variants), default=0) or 1
 
 
 def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]:
@@ -200,7 +205,7 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
         row("throughput / model alone (same batch)", lambda v: v["saturation"]["ratio_to_model_alone"]),
         row("execute inflation (in pipeline / alone)", lambda v: v["saturation"]["execute_inflation"]),
     ]
-    rounds = max(len(v.get("rounds", [])) for v in variants)
+    rounds = _rounds(variants)
     if rounds > 1:  # the spread between a variant's rounds, beside the ratios of their means
         for label, get in (("CPU ms/job outside the model", lambda r: r["saturation"]["cpu"]["outside_model_ms"]),
                            ("saturation jobs/s", lambda r: r["saturation"]["throughput"]),
