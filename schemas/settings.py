@@ -134,6 +134,9 @@ class Settings(BaseSettings):
     # to polling. Off: plain polling (no gain on Apache Kafka, which long-polls).
     fetch_wakeups: bool = True
     fetch_wake_fallback_ms: int = Field(200, ge=1)
+    # faust runs each consumer on a thread with an event loop of its own and hands every fetch
+    # across; off, the consumer shares the stage's loop (streams/transport.py, change 7).
+    consumer_in_thread: bool = False
     commit_interval_s: float = 0.5
     max_message_bytes: int = 32 * 1024 * 1024
     # One record per producer batch. The embedded broker (Tansu) answers ListOffsets with the

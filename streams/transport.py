@@ -23,6 +23,13 @@
 6. With wake-ups (streams/wakeup.py), a consumer whose producers are co-located stages asks for
    fetches answered at once and, after one that found nothing, waits for a producer's wake-up
    (or the fallback) before the next: it fetches when records are there, not 50 times a second.
+7. One event loop per process (unless `consumer_in_thread`). faust runs the aiokafka consumer
+   on a thread with a loop of its own and hands every fetch, commit and seek across with a
+   method queue and a future on each side; each hand-off wakes the other loop through its
+   self-pipe, and two keep-alive timers wake both loops every second. A stage's own work is
+   on the process's main loop, its blocking work on threads and processes of its own, so the
+   consumer can share that loop: InlineConsumerThread is faust's consumer thread without the
+   thread (the profile of every stage: benchmarks/results/profile-stages-2026-12-06.txt).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 from faust.transport.consumer import ensure_TPset
 from faust.types import TP
 from faust.utils.functional import consecutive_numbers
+from mode.utils.futures import maybe_async
 
 from faust.transport.drivers import TRANSPORTS
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -54,7 +62,8 @@ FETCH_WAIT = AdaptiveFetchWait(base_ms=20, idle_max_ms=20, idle_after_s=1.0)
 # empty fetch (register()); None: no wake-ups, plain (adaptive) polling.
 WAKE_FOLDER: Path | None = None
 WAKE_FALLBACK_MS = 200
-WAKE: WakeListener | None = None  # the running listener, on the consumer thread's loop
+WAKE: WakeListener | None = None  # the running listener, on the consumer's loop
+CONSUMER_IN_THREAD = False  # faust's own threaded consumer (True) or InlineConsumerThread
 
 
 class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
@@ -77,11 +86,49 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT, gate)  # noqa: SLF001
 
     async def on_thread_stop(self) -> None:
+        await self._stop_wake_listener()
+        await super().on_thread_stop()
+
+    async def _stop_wake_listener(self) -> None:
         global WAKE
         if WAKE is not None:
             WAKE.close()
             WAKE = None
-        await super().on_thread_stop()
+
+
+class InlineConsumerThread(ConsumerThread):
+    """faust's consumer thread run on the loop that owns it: the same service (the aiokafka
+    consumer, its rebalance listener, faust's fetch and commit bookkeeping) with each
+    cross-thread call made a plain await. mode's ServiceThread starts a thread that runs the
+    service's start and, at stop, its shutdown; here start and stop run them in place."""
+
+    def __init__(self, consumer: Any, *, loop: Any, beacon: Any) -> None:
+        super().__init__(consumer, loop=loop, thread_loop=loop, beacon=beacon)
+
+    async def start(self) -> None:
+        self._thread_started.set()
+        await self._default_start()
+        await self.on_thread_started()
+
+    async def stop(self) -> None:
+        if self._started.is_set() and not self._stopped.is_set():
+            self._stopped.set()
+            await self.on_stop()
+            await self._shutdown_thread()  # the consumer's own stop, children, futures
+            await self.on_shutdown()
+
+    async def call_thread(self, fun: Any, *args: Any, **kwargs: Any) -> Any:
+        return await maybe_async(fun(*args, **kwargs))
+
+    async def cast_thread(self, fun: Any, *args: Any, **kwargs: Any) -> None:
+        self.add_future(maybe_async(fun(*args, **kwargs)))
+
+    async def on_thread_started(self) -> None:
+        pass  # the method queue is for calls from another thread: none come
+
+    @ConsumerThread.task
+    async def _thread_keepalive(self) -> None:
+        pass  # mode's check that the thread's loop still turns: there is no second loop here
 
 
 def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait, gate: FetchGate | None = None) -> None:
@@ -126,7 +173,8 @@ def first_committable_run(acked: list[int], committed: int | None, lowest_unacke
 
 class Consumer(faust_aiokafka.Consumer):
     def _new_consumer_thread(self) -> ConsumerThread:
-        return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+        kind = ConsumerThread if CONSUMER_IN_THREAD else InlineConsumerThread
+        return kind(self, loop=self.loop, beacon=self.beacon)
 
     def pause_partitions(self, tps: Iterable[TP]) -> None:
         tpset = ensure_TPset(tps)
@@ -210,11 +258,13 @@ class Transport(faust_aiokafka.Transport):
 
 
 def register(fetch_max_wait_ms: int, idle_max_wait_ms: int | None = None, idle_after_s: float = 1.0,
-             wake_folder: Path | None = None, wake_fallback_ms: int = 200) -> str:
+             wake_folder: Path | None = None, wake_fallback_ms: int = 200, consumer_in_thread: bool = False) -> str:
     """Install the transport; the fetch wait backs off to `idle_max_wait_ms` (None: never);
-    with a `wake_folder` the consumer fetches on wake-ups (streams/wakeup.py)."""
-    global FETCH_WAIT, WAKE_FOLDER, WAKE_FALLBACK_MS
+    with a `wake_folder` the consumer fetches on wake-ups (streams/wakeup.py); the consumer
+    runs on a thread of its own only with `consumer_in_thread`."""
+    global FETCH_WAIT, WAKE_FOLDER, WAKE_FALLBACK_MS, CONSUMER_IN_THREAD
     FETCH_WAIT = AdaptiveFetchWait(fetch_max_wait_ms, idle_max_wait_ms or fetch_max_wait_ms, idle_after_s)
     WAKE_FOLDER, WAKE_FALLBACK_MS = wake_folder, wake_fallback_ms
+    CONSUMER_IN_THREAD = consumer_in_thread
     TRANSPORTS.aliases[SCHEME] = f"{__name__}:Transport"
     return SCHEME

@@ -1,9 +1,11 @@
 """What the pipeline costs beside the model, under several settings in one run (issue 11).
 
 Variants: "adaptive" (this build's settings: stages fed by stages fetch on wake-ups, idle
-consumers back their fetch wait off, lag read-outs pause while nothing moves), "no wake-ups"
-(the same, every consumer polling) and "polling" (the settings before that: every consumer
-fetches with the short wait forever, lag is read twice a second). Each runs with the headline
+consumers back their fetch wait off, lag read-outs pause while nothing moves, each process runs
+its consumer on its one event loop), "consumer thread" (the same with faust's consumer thread),
+"no wake-ups" (adaptive with every consumer polling) and "polling" (the settings before all
+that: every consumer fetches with the short wait forever from faust's consumer thread, lag is
+read twice a second). Each runs with the headline
 batching policy, every stage process restarted with the variant's settings on fresh topics, in
 ABBA order (`BenchConfig.efficiency_rounds`); the figures are the mean of its rounds. A round:
 
@@ -34,15 +36,19 @@ TOPIC_READ_TIMEOUT_S = 60.0
 
 def variants(settings: Settings) -> dict[str, dict[str, Any]]:
     """Settings overrides per variant; the first ("adaptive") is what the pipeline already runs.
-    Where it uses wake-ups between stages (streams/wakeup.py), "no wake-ups" is the same
-    polling; "polling" is the settings before this work: no wake-ups, no idle back-off, lag
-    read twice a second, no pinning. (The pinning's own share was measured with an "unpinned"
+    Where it runs each consumer on the stage's loop (streams/transport.py), "consumer thread"
+    is the same on faust's consumer thread; where it uses wake-ups between stages
+    (streams/wakeup.py), "no wake-ups" is the same polling; "polling" is the settings before
+    this work: no wake-ups, no idle back-off, lag read twice a second, no pinning, the
+    consumer on its own thread. (The pinning's own share was measured with an "unpinned"
     variant: README, Efficiency.)"""
     out: dict[str, dict[str, Any]] = {"adaptive": {}}
+    if not settings.consumer_in_thread:
+        out["consumer thread"] = {"consumer_in_thread": True}
     if settings.fetch_wakeups:
         out["no wake-ups"] = {"fetch_wakeups": False}
     out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": [],
-                      "fetch_wakeups": False}
+                      "fetch_wakeups": False, "consumer_in_thread": True}
     # Every variant names every setting any of them changes, so each applies on its own,
     # whichever variant ran before it.
     changed = {key for overrides in out.values() for key in overrides}
