@@ -30,6 +30,11 @@ T = TypeVar("T")
 # __main__ again (~0.4 s of CPU), and a worker's RSS stayed flat over 3,000 mixed decodes
 # (benchmarks/decode_worker_recycling.py: every 500 cost 0.84 ms of CPU per decode more).
 TASKS_PER_WORKER = 5000
+# pebble's two manager threads look at the pool every sleep_unit (0.1 s: 20 wake-ups a second in
+# an idle decode stage) for overrun budgets and dead workers; jobs and results do not wait for
+# it. Every 0.5 s, a refusal for a dead or overrunning worker comes up to 0.5 s later.
+POOL_TICK_S = 0.5
+pebble.common.CONSTS.sleep_unit = POOL_TICK_S
 
 
 def _limit_worker(memory_limit_bytes: int) -> None:
