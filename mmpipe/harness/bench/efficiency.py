@@ -9,7 +9,9 @@ read twice a second). Each runs with the headline
 batching policy, every stage process restarted with the variant's settings on fresh topics, in
 ABBA order (`BenchConfig.efficiency_rounds`); the figures are the mean of its rounds. A round:
 
-1. idle: no jobs for `idle_s`, CPU per process (the broker too) in ms per wall second;
+1. idle: no jobs for `idle_s`, CPU per process (the broker too) in ms per wall second; then the
+   model alone at the headline batch size for a second (Runner.probe_model), against the
+   curve from the start of the run: the machine's own speed at that point;
 2. latency at 30% load: a seeded Poisson run (the same arrivals for every variant), p50;
 3. saturation: the closed-loop flood, CPU per job of every process, the model's own CPU per
    item (model alone, same batch size) subtracted for "outside the model", and the bytes each

@@ -98,10 +98,7 @@ def measure_curve(
     seconds_per_size: float,
     rounds: int = 3,
 ) -> ModelCurve:
-    model = spec.load(device, weights_dir, True)
-    graph = graph_mode and model.freeze_graph()  # as the inference stage runs it
-    if torch_threads:
-        torch.set_num_threads(torch_threads)  # after load: loading silero resets it
+    model, graph = _load(spec, device, weights_dir, torch_threads, graph_mode)
     on_gpu = model.device.startswith("cuda")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -131,6 +128,33 @@ def measure_curve(
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()  # the inference stage gets the GPU to itself
+
+
+class ModelProbe:
+    """The model alone at one batch size, timed again whenever asked: how fast the machine runs
+    it at that point of a run, beside the curve measured at the start. A shared machine's
+    speed drifts between runs (README, Efficiency); a flood that is slow while the probe before
+    it was slow too is the machine's, not the pipeline's."""
+
+    def __init__(self, spec: Any, example: dict[str, np.ndarray], *, device: str, weights_dir: str,
+                 torch_threads: int, graph_mode: bool) -> None:
+        self.model, _ = _load(spec, device, weights_dir, torch_threads, graph_mode)
+        self.example = example
+
+    def items_per_s(self, batch_size: int, budget_s: float) -> float:
+        """Median over predicts filling `budget_s`, after one untimed."""
+        batch = [self.example] * batch_size
+        self.model.predict(batch)
+        return batch_size / float(np.median(_time_batches(self.model, batch, budget_s)))
+
+
+def _load(spec: Any, device: str, weights_dir: str, torch_threads: int, graph_mode: bool) -> tuple[Any, bool]:
+    """The model as the inference stage runs it: the frozen graph where it answers alike."""
+    model = spec.load(device, weights_dir, True)
+    graph = graph_mode and model.freeze_graph()
+    if torch_threads:
+        torch.set_num_threads(torch_threads)  # after load: loading silero resets it
+    return model, graph
 
 
 def _time_batches(model: Any, batch: list[dict[str, np.ndarray]], budget_s: float) -> list[float]:

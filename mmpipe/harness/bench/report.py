@@ -166,7 +166,7 @@ def efficiency_table(eff: dict[str, Any]) -> Table:
         table.add_column(f"{names[0]}/{other}", justify="right")
     for label, values in efficiency_rows(eff):
         ratios = [_ratio(values[0], v) for v in values[1:]]
-        table.add_row(label, *(_num(v, 2 if label.startswith("other") else 1) for v in values), *ratios)
+        table.add_row(label, *(_num(v, 2 if label.startswith(("other", "model alone")) else 1) for v in values), *ratios)
     return table
 
 
@@ -209,7 +209,8 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
     if rounds > 1:  # the spread between a variant's rounds, beside the ratios of their means
         for label, get in (("CPU ms/job outside the model", lambda r: r["saturation"]["cpu"]["outside_model_ms"]),
                            ("saturation jobs/s", lambda r: r["saturation"]["throughput"]),
-                           ("p50 e2e ms at 30% load", lambda r: r["light_load"]["p50_ms"])):
+                           ("p50 e2e ms at 30% load", lambda r: r["light_load"]["p50_ms"]),
+                           ("model alone just before / at start", lambda r: r["model_probe"]["vs_start"])):
             rows += [row(f"{label}, round {i + 1}", lambda v, i=i, get=get: get(v["rounds"][i])) for i in range(rounds)]
     rows += [row(f"bytes/job {t}", lambda v, t=t: v["bytes_per_job"][t]["bytes"]) for t in topics]
     rows += [row(f"records/job {t}", lambda v, t=t: v["bytes_per_job"][t]["records"]) for t in topics]

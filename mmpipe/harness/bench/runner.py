@@ -30,7 +30,7 @@ from rich.console import Console
 from mmpipe.harness.bench import decode_bench, efficiency, report, simulate, stats, targets, traffic
 from mmpipe.harness.bench.config import TARGET_LOAD, BenchConfig
 from mmpipe.harness.bench.env import environment
-from mmpipe.harness.bench.model_alone import ModelCurve, batch_sizes, measure_curve
+from mmpipe.harness.bench.model_alone import ModelCurve, ModelProbe, batch_sizes, measure_curve
 from mmpipe.harness.bench.pipeline_run import BenchPipeline, Policy, RunData, Topology
 from mmpipe.harness.bench.resources import ResourceSampler
 from mmpipe.harness.bench.workload import Workload, decode_clip, model_input
@@ -40,6 +40,8 @@ from mmpipe.models.torch_util import resolve_device
 from mmpipe.streams.broker import free_port_block
 from mmpipe.supervisor import METRICS_PORT_SPAN
 
+# How long each efficiency round times the model alone before its loaded runs (Runner.probe_model).
+PROBE_S = 1.0
 # Pipeline settings that shape the figures, reported with them.
 REPORTED_SETTINGS = {
     "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
@@ -68,6 +70,7 @@ class Runner:
         self.runs: list[dict[str, Any]] = []
         self.saturation: dict[str, float] = {}
         self.curve: ModelCurve | None = None
+        self.probe: ModelProbe | None = None
         self.bench: BenchPipeline | None = None
         self.sampler = ResourceSampler(gpu=self.device.startswith("cuda"))
         self._tags = 0
@@ -144,15 +147,27 @@ class Runner:
         sizes = batch_sizes(self.device, min(spec.config.max_batch_size, self.cfg.max_batch_cap or 1024))
         with self.console.status(f"model alone: {spec.ref} at batch sizes {sizes}..."):
             curve = measure_curve(
-                spec, model_input(spec, self.cfg.modality, self.work), device=self.device,
-                weights_dir=str(load_settings().weights_dir), torch_threads=self.cfg.threads(),
-                graph_mode=load_settings().graph_mode,
+                spec, model_input(spec, self.cfg.modality, self.work), **self.model_options(),
                 sizes=sizes, seconds_per_size=self.cfg.model_seconds_per_size, rounds=self.cfg.model_rounds,
             )
         points = ", ".join(f"b{p.batch_size}: {p.items_per_s:.1f}/s" for p in curve.points)
         form = "frozen graph" if curve.graph else "eager"
         self.say(f"model alone ({curve.weights} weights, {form}): {points}; best b={curve.best_batch}, gain {curve.batching_gain:.2f}x")
         return curve
+
+    def model_options(self) -> dict[str, Any]:
+        settings = load_settings()
+        return {"device": self.device, "weights_dir": str(settings.weights_dir), "torch_threads": self.cfg.threads(),
+                "graph_mode": settings.graph_mode}
+
+    def probe_model(self, batch_size: int) -> dict[str, float]:
+        """The model alone at `batch_size` now, against the curve from the start of the run."""
+        assert self.curve is not None
+        if self.probe is None:
+            spec = resolve(None, self.cfg.modality)
+            self.probe = ModelProbe(spec, model_input(spec, self.cfg.modality, self.work), **self.model_options())
+        now = self.probe.items_per_s(batch_size, PROBE_S)
+        return {"batch": batch_size, "items_per_s": round(now, 2), "vs_start": round(now / self.curve.throughput(batch_size), 3)}
 
     def pipeline_phase(self) -> None:
         cfg, p = self.cfg, self.policies
@@ -382,6 +397,9 @@ class Runner:
             idle_window = self.sampler.end()
             idle = efficiency.idle_ms_per_s(idle_window)
         self.say(f"{variant}: idle CPU ms/s " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
+        probe = self.probe_model(policy.max_batch)
+        self.say(f"{variant}: model alone now, b={probe['batch']}: {probe['items_per_s']:.1f}/s, "
+                 f"{probe['vs_start']:.2f}x the run's start")
         rate = self.rate_at(efficiency.IDLE_LOAD)
         schedule = traffic.poisson(rate, cfg.poisson_s, cfg.seed, cfg.modality)
         light = self.execute(schedule, f"efficiency {variant}", policy, load=efficiency.IDLE_LOAD, rate=rate, simulate_it=False)
@@ -394,6 +412,7 @@ class Runner:
             "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus", "fetch_wakeups")},
             "idle_s": cfg.idle_s,
             "idle_ms_per_s": idle,
+            "model_probe": probe,  # the machine's speed for the model just before the loaded runs
             # Other users of a shared machine, in cores: the figures beside them are only as clean as these.
             "other_busy_cores": {"idle": idle_window["other_busy_cores"], "light_load": light["resources"]["other_busy_cores"],
                                  "saturation": flood["resources"]["other_busy_cores"]},
