@@ -93,14 +93,11 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT, gate)  # noqa: SLF001
 
     async def on_thread_stop(self) -> None:
-        await self._stop_wake_listener()
-        await super().on_thread_stop()
-
-    async def _stop_wake_listener(self) -> None:
         global WAKE
         if WAKE is not None:
             WAKE.close()
             WAKE = None
+        await super().on_thread_stop()
 
 
 class InlineConsumerThread(ConsumerThread):

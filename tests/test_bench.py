@@ -110,6 +110,7 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
     for variant in result["efficiency"].values():
         assert {"broker", "decode-0", "preprocess-0", "inference-0", "sink-0"} <= set(variant["idle_ms_per_s"])
         assert variant["model_probe"]["items_per_s"] > 0 and variant["model_probe"]["vs_start"] > 0
+        assert {"fetch_wakeups", "consumer_in_thread"} <= set(variant["settings"])  # what tells the variants apart
         cpu = variant["saturation"]["cpu"]
         assert cpu["total_ms"] == pytest.approx(sum(cpu["per_process_ms"].values()), abs=0.5)
         assert cpu["outside_model_ms"] == pytest.approx(cpu["total_ms"] - cpu["model_ms"], abs=0.2)

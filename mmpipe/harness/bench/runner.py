@@ -143,17 +143,22 @@ class Runner:
         return result
 
     def model_phase(self) -> ModelCurve:
-        spec = resolve(None, self.cfg.modality)
+        spec, example = self.model_example()
         sizes = batch_sizes(self.device, min(spec.config.max_batch_size, self.cfg.max_batch_cap or 1024))
         with self.console.status(f"model alone: {spec.ref} at batch sizes {sizes}..."):
             curve = measure_curve(
-                spec, model_input(spec, self.cfg.modality, self.work), **self.model_options(),
+                spec, example, **self.model_options(),
                 sizes=sizes, seconds_per_size=self.cfg.model_seconds_per_size, rounds=self.cfg.model_rounds,
             )
         points = ", ".join(f"b{p.batch_size}: {p.items_per_s:.1f}/s" for p in curve.points)
         form = "frozen graph" if curve.graph else "eager"
         self.say(f"model alone ({curve.weights} weights, {form}): {points}; best b={curve.best_batch}, gain {curve.batching_gain:.2f}x")
         return curve
+
+    def model_example(self) -> tuple[Any, dict[str, Any]]:
+        """The modality's model spec and one preprocessed input for it."""
+        spec = resolve(None, self.cfg.modality)
+        return spec, model_input(spec, self.cfg.modality, self.work)
 
     def model_options(self) -> dict[str, Any]:
         settings = load_settings()
@@ -164,8 +169,7 @@ class Runner:
         """The model alone at `batch_size` now, against the curve from the start of the run."""
         assert self.curve is not None
         if self.probe is None:
-            spec = resolve(None, self.cfg.modality)
-            self.probe = ModelProbe(spec, model_input(spec, self.cfg.modality, self.work), **self.model_options())
+            self.probe = ModelProbe(*self.model_example(), **self.model_options())
         now = self.probe.items_per_s(batch_size, PROBE_S)
         return {"batch": batch_size, "items_per_s": round(now, 2), "vs_start": round(now / self.curve.throughput(batch_size), 3)}
 
@@ -384,10 +388,10 @@ class Runner:
         for variant, overrides in efficiency.round_order(variants, self.cfg.efficiency_rounds):
             self.say(f"efficiency round {len(measured[variant]) + 1}/{self.cfg.efficiency_rounds}: [bold]{variant}[/]")
             self.fresh_start(headline, overrides=overrides)  # no variant pays for the records of the one before
-            measured[variant].append(self.efficiency_variant(variant, headline))
+            measured[variant].append(self.efficiency_variant(variant, headline, overrides))
         self.efficiency_result = {variant: efficiency.mean_of_rounds(rounds) for variant, rounds in measured.items()}
 
-    def efficiency_variant(self, variant: str, policy: Policy) -> dict[str, Any]:
+    def efficiency_variant(self, variant: str, policy: Policy, overrides: dict[str, Any]) -> dict[str, Any]:
         assert self.bench is not None and self.curve is not None
         cfg = self.cfg
         with self.console.status(f"{variant}: idle for {cfg.idle_s:.0f}s..."):
@@ -409,7 +413,8 @@ class Runner:
         figures = flood["stats"]
         alone = self.curve.throughput(max(1, round(figures["mean_batch"])))
         return {
-            "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus", "fetch_wakeups")},
+            # Every setting the variants differ in (efficiency.variants), and the fetch wait beside them.
+            "settings": {k: getattr(self.bench.settings, k) for k in ("fetch_max_wait_ms", *overrides)},
             "idle_s": cfg.idle_s,
             "idle_ms_per_s": idle,
             "model_probe": probe,  # the machine's speed for the model just before the loaded runs
