@@ -54,6 +54,9 @@ class DecodeHints:
     """What decode should hand to this model's preprocess."""
 
     image_short_side: int | None = None  # frames are downscaled in the RGB conversion pass
+    # then cut to this centre square, as preprocess would: the pixels preprocess drops never
+    # travel (the frame's meta says `center_crop` where decode cut it)
+    image_center_crop: int | None = None
     audio_sample_rate: int | None = None
     audio_window_s: float | None = None  # long audio is cut into windows of this length
 

@@ -45,7 +45,7 @@ class ImageClassifierSpec(ModelSpec):
             # uint8 crops travel (half the bytes of float16); the model normalises on its device.
             inputs=(TensorSpec("pixels", "uint8", (3, crop, crop)),),
             output=f"top-{TOP_K} labels with probabilities",
-            decode=DecodeHints(image_short_side=resize),
+            decode=DecodeHints(image_short_side=resize, image_center_crop=crop),
             max_batch_size=256,
         )
         self.mean, self.std = _normalisation(weights_enum)
@@ -60,6 +60,8 @@ class ImageClassifierSpec(ModelSpec):
         if min(rgb.shape[:2]) < 8:
             raise BadInput(f"image {rgb.shape[1]}x{rgb.shape[0]} is too small to classify")
         chw = torch.from_numpy(rgb).permute(2, 0, 1)
+        if meta.get("center_crop") == self.crop and rgb.shape[:2] == (self.crop, self.crop):
+            return {"pixels": chw.contiguous().numpy()}  # decode already resized and cut it
         return {"pixels": self._transform(chw).contiguous().numpy()}
 
     def example_input(self) -> dict[str, np.ndarray]:

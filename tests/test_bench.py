@@ -319,18 +319,22 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
     from mmpipe.harness.bench import efficiency
     from mmpipe.schemas.settings import load_settings
 
-    settings = load_settings().model_copy(update={"fetch_wakeups": True, "consumer_in_thread": False})
+    settings = load_settings().model_copy(update={"fetch_wakeups": True, "consumer_in_thread": False, "decode_center_crop": True})
     variants = efficiency.variants(settings)
-    assert list(variants) == ["adaptive", "consumer thread", "no wake-ups", "polling"]
+    assert list(variants) == ["adaptive", "consumer thread", "no wake-ups", "whole frames", "polling"]
     keys = set(variants["polling"])
     assert all(set(o) == keys for o in variants.values())  # each applies alone, whatever ran before
     assert variants["adaptive"] == {k: getattr(settings, k) for k in keys}  # this build's own settings
     assert variants["consumer thread"] == variants["adaptive"] | {"consumer_in_thread": True}
     assert variants["no wake-ups"]["fetch_wakeups"] is False and variants["no wake-ups"]["consumer_in_thread"] is False
     assert variants["polling"]["consumer_in_thread"] is True
-    order = [name for name, _ in efficiency.round_order(variants, 2)]
-    assert order == ["adaptive", "consumer thread", "no wake-ups", "polling",
-                     "polling", "no wake-ups", "consumer thread", "adaptive"]
+    assert variants["whole frames"] == variants["adaptive"] | {"decode_center_crop": False}
+    subset = efficiency.variants(settings, only=("whole frames",))
+    assert subset == {"adaptive": {"decode_center_crop": True}, "whole frames": {"decode_center_crop": False}}
+    with pytest.raises(ValueError, match="unknown efficiency variant"):
+        efficiency.variants(settings, only=("no such",))
+    order = [name for name, _ in efficiency.round_order(subset, 2)]
+    assert order == ["adaptive", "whole frames", "whole frames", "adaptive"]
 
 
 def test_efficiency_rounds_are_averaged_leaf_by_leaf_and_kept():

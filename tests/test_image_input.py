@@ -2,10 +2,13 @@
 float pipeline, at half the bytes of the float16 crops sent before."""
 
 import numpy as np
+import pytest
 import torch
 from torchvision.transforms import v2
 
 from mmpipe.models.image_classifier import resnet18_spec
+from mmpipe.stages.decode import samples
+from mmpipe.stages.decode.media import DecodeLimits, decode_image, decode_video
 
 
 def test_uint8_crop_normalised_on_the_device_matches_torchvision_float_pipeline(tmp_path):
@@ -24,3 +27,42 @@ def test_uint8_crop_normalised_on_the_device_matches_torchvision_float_pipeline(
     assert torch.allclose(ours, reference, atol=1e-5)
     (answer,) = model.predict([{"pixels": pixels}])
     assert len(answer["labels"]) == 5
+
+
+@pytest.mark.parametrize(("width", "height"), [(640, 480), (480, 640), (300, 256), (200, 150)])
+def test_decode_cut_to_the_centre_crop_feeds_the_model_the_same_pixels(width, height):
+    """Decode cuts a frame to the model's centre crop (fewer bytes on the decoded topic); the
+    model then gets exactly the crop its own preprocess would cut from the whole frame. A
+    frame whose short side is under the model's resize travels whole: preprocess scales it."""
+    spec = resnet18_spec()
+    hints = spec.config.decode
+    png = samples.encode_image(samples.synthetic_picture(width, height, seed=3), "png")
+    whole = decode_image(png, DecodeLimits(image_short_side=hints.image_short_side))
+    cut = decode_image(png, DecodeLimits(image_short_side=hints.image_short_side, image_center_crop=hints.image_center_crop))
+    (whole_frame,), (cut_frame,) = whole.frames, cut.frames
+    if min(width, height) >= hints.image_short_side:
+        assert cut_frame.center_crop == 224 and cut_frame.rgb.shape == (224, 224, 3)
+        assert cut_frame.rgb.nbytes < whole_frame.rgb.nbytes
+    else:
+        assert cut_frame.center_crop is None and np.array_equal(cut_frame.rgb, whole_frame.rgb)
+    meta = {"center_crop": cut_frame.center_crop} if cut_frame.center_crop else {}
+    expected = spec.preprocess({"rgb": whole_frame.rgb}, {})["pixels"]
+    assert np.array_equal(spec.preprocess({"rgb": cut_frame.rgb}, meta)["pixels"], expected)
+
+
+def test_a_crop_claim_that_does_not_fit_the_frame_is_ignored():
+    """The meta's claim is checked against the frame: a whole frame labelled as cut is still
+    resized and cut, never passed to the model at the wrong size."""
+    spec = resnet18_spec()
+    rgb = np.random.default_rng(2).integers(0, 256, (256, 341, 3), dtype=np.uint8)
+    assert spec.preprocess({"rgb": rgb}, {"center_crop": 224})["pixels"].shape == (3, 224, 224)
+
+
+def test_video_frames_are_cut_to_the_centre_crop_too():
+    spec = resnet18_spec()
+    hints = spec.config.decode
+    clip = samples.encode_video(seconds=2.0, width=640, height=360)
+    limits = DecodeLimits(image_short_side=hints.image_short_side, image_center_crop=hints.image_center_crop)
+    media = decode_video(clip, limits)
+    assert media.frames and all(f.center_crop == 224 and f.rgb.shape == (224, 224, 3) for f in media.frames)
+

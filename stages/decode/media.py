@@ -47,6 +47,7 @@ class MediaError(Refused):
 @dataclass(frozen=True)
 class DecodeLimits:
     image_short_side: int | None = 256  # frames are scaled so their short side is this
+    image_center_crop: int | None = None  # then cut to this centre square (see _center_crop)
     audio_sample_rate: int = 16_000
     audio_max_seconds: float = 600.0
     video_sample_fps: float = 1.0
@@ -62,6 +63,7 @@ class DecodedFrame:
     index: int  # position in the sampled sequence
     time_s: float
     rgb: np.ndarray  # HxWx3 uint8
+    center_crop: int | None = None  # rgb is the centre square of this side of the scaled frame
 
 
 @dataclass
@@ -275,7 +277,7 @@ def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, 
     return max(2, round(width * scale / 2) * 2), max(2, round(height * scale / 2) * 2)
 
 
-def _to_rgb(frame: av.VideoFrame, limits: DecodeLimits) -> np.ndarray:
+def _to_frame(index: int, time_s: float, frame: av.VideoFrame, limits: DecodeLimits) -> DecodedFrame:
     if frame.width * frame.height > limits.max_pixels:
         raise MediaError("image_too_large", f"{frame.width}x{frame.height} exceeds {limits.max_pixels} pixels")
     if max(frame.width, frame.height) > MAX_ASPECT_RATIO * min(frame.width, frame.height):
@@ -283,16 +285,27 @@ def _to_rgb(frame: av.VideoFrame, limits: DecodeLimits) -> np.ndarray:
                          f"{frame.width}x{frame.height}: one side is more than {MAX_ASPECT_RATIO} times the other")
     width, height = _scaled_size(frame.width, frame.height, limits.image_short_side)
     # One swscale pass converts YUV->RGB and downscales (bilinear, area-ish for shrink).
-    return frame.to_ndarray(width=width, height=height, format="rgb24", interpolation="AREA")
+    rgb = frame.to_ndarray(width=width, height=height, format="rgb24", interpolation="AREA")
+    crop = limits.image_center_crop
+    if crop and limits.image_short_side and min(width, height) == limits.image_short_side >= crop:
+        return DecodedFrame(index, time_s, _center_crop(rgb, crop), center_crop=crop)
+    return DecodedFrame(index, time_s, rgb)
+
+
+def _center_crop(rgb: np.ndarray, side: int) -> np.ndarray:
+    """The centre side x side square, placed as torchvision's CenterCrop places it, so the
+    model's preprocess would cut the same pixels; only those travel on to preprocess."""
+    top = int(round((rgb.shape[0] - side) / 2.0))
+    left = int(round((rgb.shape[1] - side) / 2.0))
+    return np.ascontiguousarray(rgb[top:top + side, left:left + side])
 
 
 def decode_image(source: Source, limits: DecodeLimits) -> DecodedMedia:
     with _guard(), _open(source, "image", limits) as container:
         stream = _checked_video_stream(container, source, "image", limits)
         for frame in container.decode(stream):
-            rgb = _to_rgb(frame, limits)
             return DecodedMedia(
-                frames=[DecodedFrame(0, 0.0, rgb)], width=frame.width, height=frame.height, frames_decoded=1
+                frames=[_to_frame(0, 0.0, frame, limits)], width=frame.width, height=frame.height, frames_decoded=1
             )
     raise MediaError("undecodable_media", "image stream held no decodable frame")
 
@@ -331,7 +344,7 @@ def decode_video(source: Source, limits: DecodeLimits) -> DecodedMedia:
                         raise MediaError("video_too_long", f"more than {limits.video_max_source_frames} frames")
                     t = _frame_time(frame, result.frames_decoded, video)
                     if len(result.frames) < limits.video_max_frames and t + 1e-6 >= next_sample_t:
-                        result.frames.append(DecodedFrame(len(result.frames), round(t, 3), _to_rgb(frame, limits)))
+                        result.frames.append(_to_frame(len(result.frames), round(t, 3), frame, limits))
                         next_sample_t = (math.floor(t / interval + 1e-6) + 1) * interval
             elif resampler is not None and sampled_samples < max_samples:
                 for frame in packet.decode():

@@ -82,6 +82,7 @@ class DecodeStage(Stage):
         audio_spec = get_spec(DEFAULTS["audio"])
         limits = DecodeLimits(
             image_short_side=hints.image_short_side,
+            image_center_crop=hints.image_center_crop if self.settings.decode_center_crop else None,
             audio_sample_rate=(hints.audio_sample_rate or audio_spec.config.decode.audio_sample_rate or 16_000),
             audio_max_seconds=self.settings.audio_max_seconds,
             video_sample_fps=self.settings.video_sample_fps,
@@ -110,6 +111,8 @@ class DecodeStage(Stage):
         else:
             for frame in media.frames:
                 meta = {"frame": frame.index, "t_s": frame.time_s, "width": media.width, "height": media.height}
+                if frame.center_crop:
+                    meta["center_crop"] = frame.center_crop
                 parts.append(("image", spec, {"rgb": frame.rgb}, meta))
             if media.pcm is not None and media.pcm.size:
                 audio_spec = spec if spec.config.kind == "audio" else get_spec(DEFAULTS["audio"])

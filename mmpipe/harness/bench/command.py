@@ -30,6 +30,9 @@ def bench(
                                                 "auto (CPU device: the last torch-threads cores) | none | e.g. 1 or 2,3"),
     efficiency_rounds: int = typer.Option(2, help="efficiency: rounds of the settings variants in ABBA order, each "
                                                   "on fresh topics; the figures are the mean of the rounds"),
+    efficiency_variants: str = typer.Option("", help="efficiency: a comma-separated subset of the variants to run beside "
+                                                     "'adaptive' (consumer thread, no wake-ups, whole frames, polling); "
+                                                     "empty: all"),
     speech_clips: Optional[int] = typer.Option(None, help="speech: espeak-ng clips of 1-25 s (default 48; --quick 6)"),
     speech_rate: Optional[float] = typer.Option(None, help="speech: Poisson arrivals per second (default: --speech-load "
                                                            "x the clips/s served one at a time, measured first)"),
@@ -58,6 +61,7 @@ def bench(
         out_dir=out, device=device, seed=seed, rate=rate, modality=modality, torch_threads=torch_threads,
         decode_replicas=decode_replicas, preprocess_replicas=preprocess_replicas, model_cpus=model_cpus,
         efficiency_rounds=efficiency_rounds,
+        efficiency_variants=tuple(v.strip() for v in efficiency_variants.split(",") if v.strip()),
     )
     speech = dict(speech_clips=speech_clips, speech_rate=speech_rate, speech_load=speech_load, speech_seed=speech_seed, speech_rows=speech_rows,
                   speech_mix=speech_mix)

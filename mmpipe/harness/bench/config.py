@@ -73,6 +73,7 @@ class BenchConfig:
     # Efficiency variants in ABBA order (in order, then reversed, ...), each on fresh topics;
     # the figures are the mean of the rounds, and drift between consecutive runs cancels out.
     efficiency_rounds: int = 2
+    efficiency_variants: tuple[str, ...] = ()  # () = every variant (efficiency.variants)
     policies: tuple[str, ...] = ("dynamic", "off", "static")  # which of the main three run
     result_timeout_s: float = 600.0
     # Speech scenario (speech.py); the defaults are the recorded run's.

@@ -36,21 +36,28 @@ IDLE_LOAD = 0.3  # the issue's latency check: p50 at 30% of saturation must not 
 TOPIC_READ_TIMEOUT_S = 60.0
 
 
-def variants(settings: Settings) -> dict[str, dict[str, Any]]:
+def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Settings overrides per variant; the first ("adaptive") is what the pipeline already runs.
     Where it runs each consumer on the stage's loop (streams/transport.py), "consumer thread"
     is the same on faust's consumer thread; where it uses wake-ups between stages
-    (streams/wakeup.py), "no wake-ups" is the same polling; "polling" is the settings before
+    (streams/wakeup.py), "no wake-ups" is the same polling; where decode cuts frames to the
+    model's centre crop, "whole frames" sends them whole; "polling" is the settings before
     this work: no wake-ups, no idle back-off, lag read twice a second, no pinning, the
     consumer on its own thread. (The pinning's own share was measured with an "unpinned"
-    variant: README, Efficiency.)"""
+    variant: README, Efficiency.) `only`: just these variants (always with "adaptive")."""
     out: dict[str, dict[str, Any]] = {"adaptive": {}}
     if not settings.consumer_in_thread:
         out["consumer thread"] = {"consumer_in_thread": True}
     if settings.fetch_wakeups:
         out["no wake-ups"] = {"fetch_wakeups": False}
+    if settings.decode_center_crop:
+        out["whole frames"] = {"decode_center_crop": False}
     out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": [],
                       "fetch_wakeups": False, "consumer_in_thread": True}
+    unknown = set(only) - set(out)
+    if unknown:
+        raise ValueError(f"unknown efficiency variant(s) {', '.join(sorted(unknown))}; these settings have {', '.join(out)}")
+    out = {name: overrides for name, overrides in out.items() if not only or name == "adaptive" or name in only}
     # Every variant names every setting any of them changes, so each applies on its own,
     # whichever variant ran before it.
     changed = {key for overrides in out.values() for key in overrides}
