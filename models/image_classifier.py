@@ -47,6 +47,7 @@ class ImageClassifierSpec(ModelSpec):
             output=f"top-{TOP_K} labels with probabilities",
             decode=DecodeHints(image_short_side=resize, image_center_crop=crop),
             max_batch_size=256,
+            reentrant_predict=True,  # a forward pass under no_grad: no state between calls
         )
         self.mean, self.std = _normalisation(weights_enum)
         self._transform = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(crop)])

@@ -71,15 +71,18 @@ class InferenceStage(Stage):
             self.reporter.start()
 
     def _dynamic(self, ref: ModelRef, model: LoadedModel) -> DynamicBatcher:
+        settings = self.settings.batching_for(ref.name)
+        urgent_slot = settings.urgent_slot and settings.expedite_priority is not None and model.spec.config.reentrant_predict
         return DynamicBatcher(
             name=ref.name,
             predict=self._with_injected_faults(model.predict),
             bucket_key=model.spec.bucket_key,
-            settings=self.settings.batching_for(ref.name),
+            settings=settings,
             model_limit=model.spec.config.max_batch_size,
             executor=self._model_executor(ref),
             metrics=self.metrics,
             aging_s=self.settings.scheduling.aging_s,
+            urgent_executor=self._model_executor(ref, "urgent") if urgent_slot else None,
         )
 
     def _continuous(self, ref: ModelRef, model: AutoregressiveModel) -> ContinuousBatcher:
@@ -97,9 +100,11 @@ class InferenceStage(Stage):
             metrics=self.metrics,
         )
 
-    def _model_executor(self, ref: ModelRef) -> ThreadPoolExecutor:
-        """One thread per model, on the model's own cores when MMPIPE_MODEL_CPUS names them."""
-        return ThreadPoolExecutor(1, thread_name_prefix=f"model-{ref.name}", initializer=pin_model_thread,
+    def _model_executor(self, ref: ModelRef, role: str = "") -> ThreadPoolExecutor:
+        """One thread per model (and its urgent slot's), on the model's own cores when
+        MMPIPE_MODEL_CPUS names them."""
+        name = f"model-{ref.name}" + (f"-{role}" if role else "")
+        return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=pin_model_thread,
                                   initargs=(self.settings.model_cpus,))
 
     def _with_injected_faults(self, predict: Callable[[list], list]) -> Callable[[list], list]:

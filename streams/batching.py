@@ -19,6 +19,13 @@ item is at expedite_priority or higher is due at once ("expedite"): if it holds 
 batch runs, urgent items first (no throughput is lost when the model is the bottleneck); if not,
 only the leading urgent items run, so urgent work neither waits for max_wait nor pays for the
 items that happen to be queued. Ranks still decide who leads, so the starvation bound is the same.
+
+The urgent slot (Triton's second model instance, kept for urgent work): while a batch runs, a
+model whose predict may run on two threads at once (ModelConfig.reentrant_predict) takes the
+best-ranked urgent items on a second thread beside it instead of after it. On a GPU the two
+overlap on the device; on one CPU core they share it for the urgent batch's length, so the
+running batch finishes that much later and no work is added. Only an urgent item that ranks
+first of everything queued takes the slot, so the starvation bound holds there too.
 """
 
 from __future__ import annotations
@@ -132,6 +139,26 @@ class BatchPolicy:
         self.size -= len(batch)
         return batch, trigger
 
+    def next_urgent_batch(self) -> list[Pending] | None:
+        """The urgent slot's work: the leading urgent items of the bucket whose best item ranks
+        first of all, if that item is urgent (up to max_batch_size of them)."""
+        if not self.buckets:
+            return None
+        key = min(self.buckets, key=lambda k: self.buckets[k][0][:2])
+        heap = self.buckets[key]
+        batch = []
+        while heap and len(batch) < self.max_batch_size and self._urgent(heap[0][2]):
+            batch.append(heapq.heappop(heap)[2])
+        if not batch:
+            return None
+        self._set(key, heap)
+        self.size -= len(batch)
+        return batch
+
+    def expiry_at(self) -> float | None:
+        """The earliest deadline of a queued item that expires (a reject timeout action)."""
+        return min((e[2].deadline for heap in self.buckets.values() for e in heap if e[2].expires), default=None)
+
     def wake_at(self) -> float | None:
         """The earliest time a bucket can become due or an item can expire."""
         times = []
@@ -215,6 +242,7 @@ class DynamicBatcher(BatcherLoop):
         metrics: StageMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         aging_s: float = 1.0,
+        urgent_executor: Executor | None = None,
     ) -> None:
         self.name = name
         self.policy = BatchPolicy.from_settings(settings, model_limit, aging_s)
@@ -222,11 +250,19 @@ class DynamicBatcher(BatcherLoop):
         self._predict = predict
         self._bucket_key = bucket_key
         self._executor = executor
+        self._urgent_executor = urgent_executor  # the urgent slot's thread (module docstring)
         self._metrics = metrics
         self._clock = clock
         self._wakeup = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
+        self._running: asyncio.Task | None = None  # the batch on the model thread
+        self._urgent_running: asyncio.Task | None = None  # urgent items beside it
+
+    async def stop(self) -> None:
+        await super().stop()
+        for task in (self._running, self._urgent_running):
+            await cancel_and_wait(task)
 
     async def submit(
         self, payload: Any, deadline_wall: float, priority: int = NORMAL_PRIORITY, on_timeout: str = "reject",
@@ -250,31 +286,49 @@ class DynamicBatcher(BatcherLoop):
                 _resolve(item, exc=Expired(f"deadline passed after {now - item.arrived:.3f}s in the batcher"))
                 if self._metrics:
                     self._metrics.expired.labels("inference").inc()
-            ready = self.policy.next_batch(now)
+            if self._running is None:
+                ready = self.policy.next_batch(now)
+                if ready is not None:
+                    self._running = self._spawn(*ready, now, self._executor)
+            if self._running is not None and self._urgent_executor is not None and self._urgent_running is None:
+                urgent = self.policy.next_urgent_batch()
+                if urgent is not None:
+                    self._urgent_running = self._spawn(urgent, "urgent_slot", now, self._urgent_executor)
             self._publish_queue()
-            if ready is not None:
-                batch, trigger = ready
-                await self._execute(batch, trigger, now)
-                continue
-            await self._sleep_until(self.policy.wake_at())
+            # While a batch runs only a new item (submit), its end or an expiry can change anything.
+            await self._sleep_until(self.policy.wake_at() if self._running is None else self.policy.expiry_at())
 
-    async def _execute(self, batch: list[Pending], trigger: str, now: float) -> None:
+    def _spawn(self, batch: list[Pending], trigger: str, now: float, executor: Executor) -> asyncio.Task:
+        task = asyncio.ensure_future(self._execute(batch, trigger, now, executor))
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        if self._running is task:
+            self._running = None
+        if self._urgent_running is task:
+            self._urgent_running = None
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: a batch ended in an error", self.name, exc_info=task.exception())
+        self._wakeup.set()
+
+    async def _execute(self, batch: list[Pending], trigger: str, now: float, executor: Executor) -> None:
         loop = asyncio.get_running_loop()
         oldest_wait = now - min(p.arrived for p in batch)
         self._observe_waits(batch, now)
         started = time.time()
         try:
-            outputs = await loop.run_in_executor(self._executor, self._checked_predict, [p.payload for p in batch])
+            outputs = await loop.run_in_executor(executor, self._checked_predict, [p.payload for p in batch])
         except Exception as exc:
             log.warning("%s: batch of %d failed (%s); isolating items", self.name, len(batch), exc)
-            await self._run_alone(batch, trigger, oldest_wait)
+            await self._run_alone(batch, trigger, oldest_wait, executor)
             return
         info = BatchInfo(len(batch), trigger, oldest_wait, started, time.time())
         self._observe(info)
         for item, output in zip(batch, outputs):
             _resolve(item, result=(output, info))
 
-    async def _run_alone(self, batch: list[Pending], trigger: str, oldest_wait: float) -> None:
+    async def _run_alone(self, batch: list[Pending], trigger: str, oldest_wait: float, executor: Executor) -> None:
         """Retry each item once on its own: one poison input fails only itself."""
         loop = asyncio.get_running_loop()
         if self._metrics and len(batch) > 1:
@@ -282,7 +336,7 @@ class DynamicBatcher(BatcherLoop):
         for item in batch:
             started = time.time()
             try:
-                (output,) = await loop.run_in_executor(self._executor, self._checked_predict, [item.payload])
+                (output,) = await loop.run_in_executor(executor, self._checked_predict, [item.payload])
             except Exception as exc:
                 _resolve(item, exc=ItemFailed(f"{type(exc).__name__}: {exc}"))
                 continue

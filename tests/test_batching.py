@@ -177,6 +177,63 @@ async def test_deadline_passing_in_the_queue_answers_expired():
         await batcher.stop()
 
 
+@pytest.mark.parametrize("urgent_slot", [True, False])
+async def test_an_urgent_item_runs_beside_a_running_batch_on_the_urgent_slot(urgent_slot):
+    """The urgent slot: an urgent item that arrives while a slow batch runs is answered before
+    that batch ends, in a batch of its own; without the slot it waits for the model."""
+    import time
+
+    def predict(batch):
+        time.sleep(0.05 if batch == ["urgent"] else 0.6)
+        return [x.upper() for x in batch]
+
+    batcher = DynamicBatcher("m", predict, bucket_key=lambda _: 0,
+                             settings=BatchingSettings(max_batch_size=2, max_wait_ms=0, expedite_priority=0),
+                             model_limit=64, executor=ThreadPoolExecutor(1),
+                             urgent_executor=ThreadPoolExecutor(1) if urgent_slot else None)
+    batcher.start()
+    finished: dict[str, float] = {}
+
+    async def submit(x, priority):
+        result = await batcher.submit(x, 1e12, priority=priority)
+        finished[x] = time.monotonic()
+        return result
+
+    try:
+        slow = asyncio.ensure_future(asyncio.gather(submit("low-1", 2), submit("low-2", 2)))
+        await asyncio.sleep(0.1)  # the low batch is running now
+        output, info = await submit("urgent", 0)
+        await slow
+    finally:
+        await batcher.stop()
+    assert output == "URGENT" and info.size == 1
+    if urgent_slot:
+        assert info.trigger == "urgent_slot" and finished["urgent"] < finished["low-1"]
+    else:
+        assert finished["urgent"] > finished["low-1"]
+
+
+def test_predict_on_two_threads_at_once_answers_like_one_after_the_other(tmp_path):
+    """The urgent slot runs predict beside a running batch (ModelConfig.reentrant_predict): the
+    frozen graph must give each thread its own answers."""
+    import numpy as np
+
+    from mmpipe.models.image_classifier import resnet18_spec
+
+    spec = resnet18_spec()
+    assert spec.config.reentrant_predict
+    model = spec.load("cpu", str(tmp_path), allow_random=True)
+    model.freeze_graph()
+    rng = np.random.default_rng(4)
+    batches = [[{"pixels": rng.integers(0, 256, (3, 224, 224), dtype=np.uint8)} for _ in range(n)] for n in (4, 1, 3, 1)]
+    alone = [model.predict(batch) for batch in batches]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(model.predict, batches))
+    for a, b in zip(alone, together):
+        assert [r["labels"][0]["index"] for r in a] == [r["labels"][0]["index"] for r in b]
+        assert all(abs(x["p"] - y["p"]) < 1e-4 for ra, rb in zip(a, b) for x, y in zip(ra["labels"], rb["labels"]))
+
+
 # The commit rule (streams/transport.py): never commit past unfinished work ------------------
 from mmpipe.streams.transport import first_committable_run  # noqa: E402
 

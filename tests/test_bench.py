@@ -278,9 +278,12 @@ def test_priority_figures_and_starvation_check_from_the_traces():
     run["stats"] = {"throughput": 8.4}
     baseline = {**run, "label": "dyn no-expedite no-lanes", "mechanisms": False, "priority": {**fig, "high_over_low_p99": 0.9}}
     better = {**run, "mechanisms": True, "priority": {**fig, "high_over_low_p99": 0.05}}
-    ratio, _ = targets._priorities({"runs": [baseline, {**run, "mechanisms": True}, better]})
-    assert ratio["measured"] == pytest.approx(fig["high_over_low_p99"], abs=1e-3)
+    no_slot = {**run, "label": "dyn no-slot", "mechanisms": True, "urgent_slot": False,
+               "priority": {**fig, "high_over_low_p99": 0.95}}
+    ratio, _ = targets._priorities({"runs": [baseline, {**run, "mechanisms": True, "urgent_slot": True}, no_slot, better]})
+    assert ratio["measured"] == pytest.approx(fig["high_over_low_p99"], abs=1e-3)  # the no-slot run is not judged
     assert "(dyn no-expedite no-lanes): 0.900" in ratio["detail"] and "the worst of" in ratio["detail"]
+    assert "without the urgent slot (dyn no-slot): 0.950" in ratio["detail"]
     # The high jobs alone (the floor run): the best ratio the loaded runs could reach.
     alone = stats.priority_stats([_job("A1", 0, 0.5, 0.5), _job("A2", 0, 1.2, 1.2)], aging_s=1.0)
     floor_run = {"scenario": "priority floor", "label": "dyn", "priority": alone}

@@ -163,27 +163,49 @@ arrivals = st.lists(
 )
 
 
+def test_the_urgent_slot_takes_the_leading_urgent_items_only_when_one_ranks_first():
+    policy = BatchPolicy(max_batch_size=4, max_wait_s=0.010, aging_s=1.0, expedite_priority=0)
+    for name, t, prio in [("low-1", 0.0, 2), ("high-1", 0.001, 0), ("low-2", 0.002, 2), ("high-2", 0.003, 0)]:
+        policy.add(item(name, t, priority=prio))
+    assert names(policy.next_urgent_batch()) == ["high-1", "high-2"]
+    assert policy.size == 2 and policy.next_urgent_batch() is None  # only low work left
+
+    aged = BatchPolicy(max_batch_size=4, max_wait_s=0.010, aging_s=0.1, expedite_priority=0)
+    aged.add(item("low-old", 0.0, priority=2))  # rank 0.2
+    aged.add(item("high-late", 0.3, priority=0, key="b"))  # rank 0.3, another bucket
+    assert aged.next_urgent_batch() is None  # the low item ranks first: it is not overtaken
+    assert BatchPolicy(max_batch_size=4, max_wait_s=0.01).next_urgent_batch() is None  # nothing queued
+
+
 @settings(max_examples=200, deadline=None)
 @given(arrivals=arrivals, max_batch=st.integers(1, 6), max_wait=st.floats(0.0, 0.05), aging=st.floats(0.01, 1.0),
-       service=st.floats(0.0005, 0.02), expedite=st.sampled_from([None, 0, 1]))
-def test_priorities_lose_nothing_and_hold_the_starvation_bound(arrivals, max_batch, max_wait, aging, service, expedite):
-    """A single-threaded server under a fake clock: every item leaves exactly once (expired only
-    if reject and past its deadline), and an item is never overtaken by one that arrived more than
-    (its priority - the other's) x aging after it, whether or not urgent levels are expedited."""
+       service=st.floats(0.0005, 0.02), expedite=st.sampled_from([None, 0, 1]), urgent_slot=st.booleans())
+def test_priorities_lose_nothing_and_hold_the_starvation_bound(arrivals, max_batch, max_wait, aging, service, expedite,
+                                                               urgent_slot):
+    """A server under a fake clock (with the urgent slot: a second one that takes urgent work
+    while the first is busy): every item leaves exactly once (expired only if reject and past
+    its deadline), and an item is never overtaken by one that arrived more than (its priority -
+    the other's) x aging after it, whether or not urgent levels are expedited."""
     policy = BatchPolicy(max_batch_size=max_batch, max_wait_s=max_wait, aging_s=aging, expedite_priority=expedite)
     pending = sorted((t, n, prio, key, late) for n, (t, prio, key, late) in enumerate(arrivals))
     served: list[Pending] = []
     expired: list[Pending] = []
     now, step = 0.0, 0.0005
+    busy_until = urgent_busy_until = 0.0
     while pending or policy.size:
         while pending and pending[0][0] <= now:
             t, n, prio, key, late = pending.pop(0)
             policy.add(Pending(f"i{n}", key, t, t + 0.05, None, prio, "run_late" if late else "reject"))
         expired.extend(policy.pop_expired(now))
-        ready = policy.next_batch(now)
+        ready = policy.next_batch(now) if now >= busy_until else None
         if ready is not None:
             served.extend(ready[0])
-            now += service  # the server is busy; arrivals queue meanwhile
+            busy_until = now + service  # the server is busy; arrivals queue meanwhile
+        elif urgent_slot and expedite is not None and now < busy_until and now >= urgent_busy_until:
+            urgent = policy.next_urgent_batch()
+            if urgent is not None:
+                served.extend(urgent)
+                urgent_busy_until = now + service
         now += step
     assert sorted(p.payload for p in served + expired) == sorted(f"i{n}" for n in range(len(arrivals)))
     assert all(p.on_timeout == "reject" for p in expired)

@@ -52,10 +52,13 @@ class Policy:
     max_wait_ms: float = 0.0
     static_timeout_ms: float = 1000.0
     expedite: bool = True  # high-priority items run at once in batches of their own (BatchingSettings)
+    urgent_slot: bool = True  # ... and beside a running batch (streams/batching.py: the urgent slot)
 
     @property
     def label(self) -> str:
-        return self._base_label + ("" if self.expedite else " no-expedite")
+        if not self.expedite:
+            return self._base_label + " no-expedite"
+        return self._base_label + ("" if self.urgent_slot else " no-slot")
 
     @property
     def _base_label(self) -> str:
@@ -72,6 +75,7 @@ class Policy:
             max_wait_ms=self.max_wait_ms,
             static_timeout_ms=self.static_timeout_ms,
             expedite_priority=HIGH_PRIORITY if self.expedite else None,
+            urgent_slot=self.urgent_slot,
         )
 
     def sim(self) -> SimPolicy:

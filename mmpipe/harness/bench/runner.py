@@ -315,11 +315,11 @@ class Runner:
 
     def priority(self, policy: Policy) -> None:
         """Poisson at priority_load with a seeded share of the jobs at high priority and the rest
-        at priority_rest, four times on the same schedule: without the two priority mechanisms
-        (one topic per hop for every level, high items batched like the rest), with them (priority
-        lanes and expedite), with them again and without them again. Each run starts on fresh
-        topics (the embedded broker slows as partitions fill) and the ABBA order cancels what
-        drift remains. Per level the latency percentiles, and the starvation check at the
+        at priority_rest, six times on the same schedule: without the priority mechanisms (one
+        topic per hop for every level, high items batched like the rest), with them (priority
+        lanes, expedite and the urgent slot), with them but no urgent slot (high items wait for a
+        running batch), then the three again in reverse. Each run starts on fresh topics (the
+        embedded broker slows as partitions fill) and the ABBA order cancels what drift remains. Per level the latency percentiles, and the starvation check at the
         batcher from the jobs' traces (stats.priority_stats)."""
         assert self.bench is not None
         cfg = self.cfg
@@ -329,10 +329,12 @@ class Runner:
         aging_s = self.bench.settings.scheduling.aging_s
         without = (replace(policy, expedite=False), Topology(lanes=False))
         with_them = (policy, Topology())
-        for variant, topology in (without, with_them, with_them, without):
+        no_slot = (replace(policy, urgent_slot=False), Topology())
+        for variant, topology in (without, with_them, no_slot, no_slot, with_them, without):
             self.fresh_start(variant, topology)
             run = self.execute(schedule, "priority", variant, load=cfg.priority_load, rate=rate, topology=topology)
             run["mechanisms"] = variant.expedite and topology.lanes
+            run["urgent_slot"] = variant.expedite and variant.urgent_slot
             run["priority"] = figures = stats.priority_stats(self.bench.fetch(run["tag"]), aging_s)
             levels = figures["levels"]
             self.say(f"priority levels ({run['label']}): "
@@ -383,7 +385,7 @@ class Runner:
         variant (efficiency.py), every stage restarted with the variant's settings."""
         assert self.bench is not None and self.curve is not None
         headline = self.policies["headline"]
-        variants = efficiency.variants(self.bench.settings)
+        variants = efficiency.variants(self.bench.settings, self.cfg.efficiency_variants)
         measured: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
         for variant, overrides in efficiency.round_order(variants, self.cfg.efficiency_rounds):
             self.say(f"efficiency round {len(measured[variant]) + 1}/{self.cfg.efficiency_rounds}: [bold]{variant}[/]")

@@ -101,10 +101,11 @@ def _priorities(result: dict[str, Any]) -> list[dict[str, Any]]:
     runs = [r for r in result["runs"] if r["scenario"] == "priority" and "priority" in r]
     if not runs:
         return []
-    # With the priority mechanisms (lanes, expedite) the worst of the runs is judged; the runs
-    # without them on the same schedule are reported beside it.
-    judged = [r for r in runs if r.get("mechanisms", True)] or runs
+    # With the priority mechanisms (lanes, expedite, the urgent slot) the worst of the runs is
+    # judged; the runs without the slot, and without any, on the same schedule are reported beside it.
+    judged = [r for r in runs if r.get("mechanisms", True) and r.get("urgent_slot", True)] or runs
     run = max(judged, key=lambda r: r["priority"]["high_over_low_p99"] or 0.0)
+    no_slot = [r for r in runs if r.get("mechanisms", True) and r.get("urgent_slot") is False]
     baselines = [r for r in runs if r.get("mechanisms") is False]
     fig = run["priority"]
     levels, starve = fig["levels"], fig["starvation"]
@@ -115,6 +116,8 @@ def _priorities(result: dict[str, Any]) -> list[dict[str, Any]]:
     detail = f"{run['label']} at {run['load']:.0%} load ({run['offered_rate']:.2f} jobs/s), aging_s {fig['aging_s']:g}: {counts}"
     if len(judged) > 1:
         detail += "; the worst of " + ", ".join(_ratio(r) for r in judged)
+    if no_slot:
+        detail += f"; same schedule without the urgent slot ({no_slot[0]['label']}): " + ", ".join(_ratio(r) for r in no_slot)
     if baselines:
         detail += f"; same schedule without lanes or expedite ({baselines[0]['label']}): " + ", ".join(_ratio(r) for r in baselines)
     if ratio is not None and ratio > PRIORITY_P99:
