@@ -22,9 +22,10 @@ items that happen to be queued. Ranks still decide who leads, so the starvation 
 
 The urgent slot (Triton's second model instance, kept for urgent work): while a batch runs, a
 model whose predict may run on two threads at once (ModelConfig.reentrant_predict) takes the
-best-ranked urgent items on a second thread beside it instead of after it. On a GPU the two
-overlap on the device; on one CPU core they share it for the urgent batch's length, so the
-running batch finishes that much later and no work is added. Only an urgent item that ranks
+best-ranked urgent items on a second thread beside it instead of after it. On one CPU core the
+two share it for the urgent batch's length, so the running batch finishes that much later and
+no work is added; on a GPU both issue kernels on the default stream (no stream per thread yet),
+so the urgent kernels queue behind those the running batch already issued. Only an urgent item that ranks
 first of everything queued takes the slot, so the starvation bound holds there too.
 """
 

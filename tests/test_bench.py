@@ -284,6 +284,10 @@ def test_priority_figures_and_starvation_check_from_the_traces():
     assert ratio["measured"] == pytest.approx(fig["high_over_low_p99"], abs=1e-3)  # the no-slot run is not judged
     assert "(dyn no-expedite no-lanes): 0.900" in ratio["detail"] and "the worst of" in ratio["detail"]
     assert "without the urgent slot (dyn no-slot): 0.950" in ratio["detail"]
+    # A judged run that served under 95 % of its offered rate was overloaded: no verdict.
+    slow = {**better, "stats": {"throughput": 7.9}}
+    ratio, _ = targets._priorities({"runs": [slow]})
+    assert ratio["status"] == "N/A" and ratio["detail"].startswith("not judged: overloaded, 7.90 of 8.50 offered")
     # The high jobs alone (the floor run): the best ratio the loaded runs could reach.
     alone = stats.priority_stats([_job("A1", 0, 0.5, 0.5), _job("A2", 0, 1.2, 1.2)], aging_s=1.0)
     floor_run = {"scenario": "priority floor", "label": "dyn", "priority": alone}
