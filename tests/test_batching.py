@@ -207,10 +207,29 @@ async def test_an_urgent_item_runs_beside_a_running_batch_on_the_urgent_slot(urg
     finally:
         await batcher.stop()
     assert output == "URGENT" and info.size == 1
-    if urgent_slot:
+    if urgent_slot:  # it ran on the slot, not in the full batch of low items queued behind it
         assert info.trigger == "urgent_slot" and finished["urgent"] < finished["low-1"]
     else:
         assert finished["urgent"] > finished["low-1"]
+
+
+@pytest.mark.parametrize("urgent_slot", [True, False])
+async def test_an_urgent_item_does_not_ride_in_a_full_batch_when_the_slot_is_free(urgent_slot):
+    batcher = DynamicBatcher("m", lambda batch: batch, bucket_key=lambda _: 0,
+                             settings=BatchingSettings(max_batch_size=2, max_wait_ms=1000, expedite_priority=0),
+                             model_limit=64, executor=ThreadPoolExecutor(1),
+                             urgent_executor=ThreadPoolExecutor(1) if urgent_slot else None)
+    batcher.start()
+    try:  # queued in one turn of the loop: a full bucket of low items and an urgent one
+        results = await asyncio.gather(batcher.submit("low-1", 1e12, priority=2), batcher.submit("low-2", 1e12, priority=2),
+                                       batcher.submit("urgent", 1e12, priority=0))
+    finally:
+        await batcher.stop()
+    (_, low_info), _, (_, urgent_info) = results
+    if urgent_slot:
+        assert (urgent_info.size, urgent_info.trigger) == (1, "urgent_slot") and (low_info.size, low_info.trigger) == (2, "full")
+    else:  # the full-batch rule: it leads the full batch
+        assert (urgent_info.size, urgent_info.trigger) == (2, "full")
 
 
 def test_predict_on_two_threads_at_once_answers_like_one_after_the_other(tmp_path):

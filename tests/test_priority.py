@@ -182,8 +182,8 @@ def test_the_urgent_slot_takes_the_leading_urgent_items_only_when_one_ranks_firs
        service=st.floats(0.0005, 0.02), expedite=st.sampled_from([None, 0, 1]), urgent_slot=st.booleans())
 def test_priorities_lose_nothing_and_hold_the_starvation_bound(arrivals, max_batch, max_wait, aging, service, expedite,
                                                                urgent_slot):
-    """A server under a fake clock (with the urgent slot: a second one that takes urgent work
-    while the first is busy): every item leaves exactly once (expired only if reject and past
+    """A server under a fake clock (with the urgent slot: a second one that takes the urgent
+    work first whenever it is free): every item leaves exactly once (expired only if reject and past
     its deadline), and an item is never overtaken by one that arrived more than (its priority -
     the other's) x aging after it, whether or not urgent levels are expedited."""
     policy = BatchPolicy(max_batch_size=max_batch, max_wait_s=max_wait, aging_s=aging, expedite_priority=expedite)
@@ -197,15 +197,15 @@ def test_priorities_lose_nothing_and_hold_the_starvation_bound(arrivals, max_bat
             t, n, prio, key, late = pending.pop(0)
             policy.add(Pending(f"i{n}", key, t, t + 0.05, None, prio, "run_late" if late else "reject"))
         expired.extend(policy.pop_expired(now))
-        ready = policy.next_batch(now) if now >= busy_until else None
-        if ready is not None:
-            served.extend(ready[0])
-            busy_until = now + service  # the server is busy; arrivals queue meanwhile
-        elif urgent_slot and expedite is not None and now < busy_until and now >= urgent_busy_until:
+        if urgent_slot and expedite is not None and now >= urgent_busy_until:
             urgent = policy.next_urgent_batch()
             if urgent is not None:
                 served.extend(urgent)
                 urgent_busy_until = now + service
+        ready = policy.next_batch(now) if now >= busy_until else None
+        if ready is not None:
+            served.extend(ready[0])
+            busy_until = now + service  # the server is busy; arrivals queue meanwhile
         now += step
     assert sorted(p.payload for p in served + expired) == sorted(f"i{n}" for n in range(len(arrivals)))
     assert all(p.on_timeout == "reject" for p in expired)
