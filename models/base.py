@@ -74,8 +74,8 @@ class ModelConfig:
     decode: DecodeHints = DecodeHints()
     max_batch_size: int = 64  # model/memory bound; the batcher's limit is capped by it
     length_buckets: tuple[int, ...] = ()  # variable-length inputs are padded up to one of these
-    # predict keeps no state between calls and may run on two threads at once (the batcher's
-    # urgent slot runs urgent items beside a running batch only then)
+    # predict keeps no state between calls and may run on two threads at once (only then does
+    # the batcher give urgent items a second model thread: streams/batching.py, the urgent slot)
     reentrant_predict: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

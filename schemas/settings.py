@@ -34,8 +34,9 @@ class BatchingSettings(BaseModel):
     # (then that one, urgent items first, so no throughput is lost at saturation). None batches
     # every level alike.
     expedite_priority: int | None = Field(HIGH_PRIORITY, ge=0, le=PRIORITY_LEVELS - 1)
-    # While a batch runs, those items run beside it on a second model thread instead of after
-    # it (streams/batching.py: the urgent slot), for models whose predict allows two threads.
+    # Those items run on a second model thread whenever it is free: beside a running batch, not
+    # after it or inside a full one (streams/batching.py: the urgent slot), for models whose
+    # predict allows two threads.
     urgent_slot: bool = True
 
 

@@ -23,13 +23,14 @@ items that happen to be queued. Ranks still decide who leads, so the starvation 
 The urgent slot (Triton's second model instance, kept for urgent work): a model whose predict
 may run on two threads at once (ModelConfig.reentrant_predict) runs the best-ranked urgent items
 on a second thread whenever that thread is free, so they neither wait for a running batch nor
-ride in a full one (a batch of 8 ran 3-5x as long as a batch of 1 on the measured CPU). The
-urgent items then run in batches of their own level, which costs the model the batching gain
-on them (a few per cent of its capacity at 10 % urgent work). On one CPU core the
-two share it for the urgent batch's length, so the running batch finishes that much later and
-no work is added; on a GPU both issue kernels on the default stream (no stream per thread yet),
-so the urgent kernels queue behind those the running batch already issued. Only an urgent item that ranks
-first of everything queued takes the slot, so the starvation bound holds there too.
+ride in a full one (a batch of 8 ran 3-5x as long as a batch of 1 on the measured CPU). They
+run in batches of their own level, which gives up the batching gain on them (on the measured
+CPU an item alone cost 1.2-1.4x its share of a full batch; with 10 % urgent work the served
+rate did not move beyond the runs' spread). On one CPU core the two threads share it for the
+urgent batch's length: the running batch finishes that much later and no work is added. On a
+GPU both issue kernels on the default stream (no stream per thread yet), so the urgent kernels
+queue behind those the running batch already issued. Only an urgent item that ranks first of
+everything queued takes the slot, so the starvation bound holds there too.
 """
 
 from __future__ import annotations
