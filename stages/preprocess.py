@@ -33,7 +33,7 @@ class PreprocessStage(Stage):
             spec.example_input()  # first-call costs (lazy imports, tokenizer load) paid here
         # Placement onto `ready`: routed by expected wait, or (off) the job ID's hash partition.
         self.router = Router(self.settings.scheduling, time.time) if self.settings.scheduling.routing else None
-        self._feed = WorkerStateFeed(self.settings, self.router.observe_worker) if self.router else None
+        self._feed = WorkerStateFeed(self.settings, self.router.observe_worker, self.router.forget_worker) if self.router else None
 
     async def start(self) -> None:
         if self._feed is not None:

@@ -73,6 +73,10 @@ class Router:
         for name in [name for name, known in self.workers.items() if known.at < horizon]:
             del self.workers[name]
 
+    def forget_worker(self, worker: str) -> None:
+        """The worker stopped (its tombstone): no longer a partition's owner."""
+        self.workers.pop(worker, None)
+
     def observe_lag(self, lag: dict[int, int]) -> None:
         """A fresh read-out of the inference group's lag: it includes what we sent before it."""
         self.lag = dict(lag)

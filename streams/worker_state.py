@@ -83,19 +83,31 @@ class WorkerReporter(_Background):
     # routed to, so a broker that was not up at start must not silence it for good.
     CONNECT_BACKOFF_S = (0.25, 1.0)
 
+    # How long a stopping worker waits for its tombstone to be acknowledged.
+    TOMBSTONE_TIMEOUT_S = 2.0
+
     async def _run(self) -> None:
         first, longest = self.CONNECT_BACKOFF_S
         producer = await retry_async(self._connect, KafkaError, base_s=first, cap_s=longest, on_retry=self._retrying)
+        key = self.snapshot().worker.encode()
         try:
             while True:
-                state = self.snapshot()
                 try:
-                    await producer.send_and_wait(self.topic, to_json(state), key=state.worker.encode())
+                    await producer.send_and_wait(self.topic, to_json(self.snapshot()), key=key)
                 except KafkaError as exc:  # the next report will do; routing tolerates stale state
                     log.info("worker state not published: %s", exc)
                 await asyncio.sleep(self.settings.scheduling.worker_state_interval_s)
         finally:
+            await self._retire(producer, key)
             await producer.stop()
+
+    async def _retire(self, producer: Any, key: bytes) -> None:
+        """A tombstone for this worker: routers forget it at once instead of after the
+        staleness bound, and compaction drops its key (every restart is a new worker name)."""
+        try:
+            await asyncio.wait_for(producer.send_and_wait(self.topic, None, key=key), self.TOMBSTONE_TIMEOUT_S)
+        except (KafkaError, asyncio.TimeoutError) as exc:  # the staleness bound forgets it instead
+            log.info("worker state tombstone not published: %s", exc)
 
     async def _connect(self) -> Any:
         producer = make_producer(self.settings)
@@ -117,9 +129,11 @@ class WorkerStateFeed(_Background):
     # so it comes back within a second.
     RECONNECT_BACKOFF_S = (0.25, 1.0)
 
-    def __init__(self, settings: Settings, observe: Callable[[WorkerState], None]) -> None:
+    def __init__(self, settings: Settings, observe: Callable[[WorkerState], None],
+                 forget: Callable[[str], None] = lambda worker: None) -> None:
         self.settings = settings
         self.observe = observe
+        self.forget = forget  # a worker's tombstone: it stopped
         self.topic = TopicNames(settings.topic_prefix).workers
 
     async def _run(self) -> None:
@@ -144,11 +158,13 @@ class WorkerStateFeed(_Background):
             batch = await consumer.getmany(timeout_ms=1000)  # type: ignore[attr-defined]
             for records in batch.values():
                 for record in records:
-                    self._deliver(record.value)
+                    self._deliver(record.key, record.value)
 
-    def _deliver(self, value: bytes | None) -> None:
-        if value is None:
-            return  # a tombstone
+    def _deliver(self, key: bytes | None, value: bytes | None) -> None:
+        if value is None:  # a tombstone: the worker stopped
+            if key:
+                self.forget(key.decode(errors="replace"))
+            return
         try:
             self.observe(from_json(value, WorkerState))
         except BadMessage as exc:  # a newer or broken writer: ignore it, keep routing on the rest

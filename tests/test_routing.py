@@ -240,3 +240,17 @@ def test_workers_silent_for_twice_the_staleness_bound_are_forgotten():
     assert r.choose(MODEL) in (0, 1)  # the fresh ones still own their partitions
     r.observe_worker(state("late-report", [2], 0.01, clock.now - 60))  # a report replayed from the topic
     assert "late-report" not in r.workers
+
+
+def test_a_stopped_workers_tombstone_takes_its_partitions_out_at_once():
+    """A worker that stops cleanly leaves a tombstone (streams/worker_state.py): its partitions
+    go back to the hash partition at once, not after the staleness bound."""
+    clock = Clock()
+    r = router(clock)
+    r.observe_worker(state("fast", [0], 0.01, clock.now))
+    r.observe_worker(state("slow", [1], 0.5, clock.now))
+    assert set(r.expected_waits(MODEL)) == {0, 1}
+    r.forget_worker("fast")
+    assert set(r.expected_waits(MODEL)) == {1}
+    r.forget_worker("never-seen")  # a tombstone replayed from the compacted topic
+    assert set(r.workers) == {"slow"}

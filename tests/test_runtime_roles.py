@@ -455,7 +455,7 @@ class FakeWorkersReader:
 
     def __init__(self, fails: bool, report: bytes) -> None:
         self.fails = fails
-        self.report = [SimpleNamespace(value=report)]
+        self.report = [SimpleNamespace(key=b"w-1", value=report), SimpleNamespace(key=b"w-1", value=None)]
         self.stopped = False
 
     async def start(self) -> None:
@@ -482,14 +482,15 @@ async def test_the_worker_state_feed_reconnects_until_the_broker_answers(monkeyp
 
     monkeypatch.setattr("mmpipe.streams.worker_state.groupless_consumer", connect)
     seen: list[WorkerState] = []
-    feed = WorkerStateFeed(Settings(), seen.append)
+    gone: list[str] = []
+    feed = WorkerStateFeed(Settings(), seen.append, gone.append)
     feed.RECONNECT_BACKOFF_S = (0.001, 0.002)
     feed.start()
     try:
-        await eventually(lambda: seen)
+        await eventually(lambda: gone)
     finally:
         await feed.stop()
-    assert seen == [state] and len(readers) == 4
+    assert seen == [state] and gone == ["w-1"] and len(readers) == 4  # the report, then its tombstone
     assert all(reader.stopped for reader in readers), "every connection is closed, failed ones too"
 
 
@@ -505,7 +506,7 @@ class FakeStateProducer:
         if self.fails:
             raise KafkaConnectionError()
 
-    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> None:
+    async def send_and_wait(self, topic: str, value: bytes | None, key: bytes) -> None:
         self.sent.append(value)
 
     async def stop(self) -> None:
@@ -529,4 +530,5 @@ async def test_the_worker_state_reporter_keeps_trying_until_the_broker_answers(m
     finally:
         await reporter.stop()
     assert len(producers) == 4 and producers[-1].sent[0] == to_json(state)
+    assert producers[-1].sent[-1] is None, "a stopping worker leaves a tombstone"
     assert all(p.stopped for p in producers), "every producer is closed, failed ones too"
