@@ -83,8 +83,9 @@ class WorkerReporter(_Background):
     # routed to, so a broker that was not up at start must not silence it for good.
     CONNECT_BACKOFF_S = (0.25, 1.0)
 
-    # How long a stopping worker waits for its tombstone to be acknowledged.
-    TOMBSTONE_TIMEOUT_S = 2.0
+    # How long a stopping worker waits for its tombstone's ack: inside the stage stop's first
+    # cancellation (streams/tasks.py: RECANCEL_AFTER_S), so a second one cannot cut it short.
+    TOMBSTONE_TIMEOUT_S = 0.4
 
     async def _run(self) -> None:
         first, longest = self.CONNECT_BACKOFF_S
@@ -98,8 +99,10 @@ class WorkerReporter(_Background):
                     log.info("worker state not published: %s", exc)
                 await asyncio.sleep(self.settings.scheduling.worker_state_interval_s)
         finally:
-            await self._retire(producer, key)
-            await producer.stop()
+            try:
+                await self._retire(producer, key)
+            finally:
+                await producer.stop()
 
     async def _retire(self, producer: Any, key: bytes) -> None:
         """A tombstone for this worker: routers forget it at once instead of after the
