@@ -87,7 +87,7 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         await super().on_start()
         gate = None
         if WAKE_FOLDER is not None:
-            gate = FetchGate(WAKE_FALLBACK_MS)
+            gate = FetchGate(WAKE_FALLBACK_MS, hold_ms=FETCH_WAIT.base_ms)
             WAKE = WakeListener(WAKE_FOLDER, gate)
             WAKE.start()
         adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT, gate)  # noqa: SLF001

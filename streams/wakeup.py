@@ -10,9 +10,9 @@ this; set `fetch_wakeups` false there.
 How: every consumer of a stage whose inputs come from other stages binds a Unix datagram
 socket in a folder per stage, shared by the pipeline's processes on this machine
 (`wake_folder`). A stage process, once the broker acknowledged a record, sends an empty datagram
-to every socket of the stage that reads the record's topic (`WakeSender`). The consumer asks for
-fetches the broker answers at once and holds each one until a datagram comes, or a wait runs
-out: the short polling wait after a fetch that found records, the fallback after an empty one
+to every socket of the stage that reads the record's topic (`WakeSender`). The consumer holds
+each fetch until a datagram comes (the broker then holds it briefly: FetchGate.hold_ms), or a
+wait runs out: the short polling wait after a fetch that found records, the fallback after an empty one
 (`FetchGate`, used by streams/transport.py). A hop then costs a datagram and a fetch or two
 instead of a poll every 20 ms.
 
@@ -81,6 +81,11 @@ class FetchGate:
     (records without wake-ups) does not wait here: its fetches are held by the broker again."""
 
     fallback_ms: int
+    # What a gated fetch asks the broker to hold it for. Not 1 ms: Tansu answered a 1 ms fetch
+    # empty for 12 s on end while records were there, once a burst had ended
+    # (tests/test_overload.py: results 5-19 s late in the sink's topic); one that may wait the
+    # polling wait finds them, and comes back at once when they are there before it.
+    hold_ms: int = 20
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     polling: bool = False  # records came while no wake-up did: producers that never send them
     last_wake_at: float = float("-inf")
@@ -110,8 +115,8 @@ class FetchGate:
     def fetch_max_wait_ms(self, poll_ms: int) -> int:
         """What the next fetch asks the broker to hold it for: the polling wait while polling
         (as without wake-ups: Apache Kafka answers such a fetch as soon as records come), else
-        1 ms (a fetch with a max wait of 0 never returned records from the embedded broker)."""
-        return poll_ms if self.polling else 1
+        `hold_ms` (the gate already waited; shorter holds missed records on the embedded broker)."""
+        return poll_ms if self.polling else self.hold_ms
 
     async def wait(self) -> bool:
         """Until a wake-up or the next fetch's wait, then clear the wake-up (one for a record

@@ -44,7 +44,7 @@ def test_records_without_any_wake_up_switch_to_polling_until_one_comes():
         assert not gate.polling
         gate.fallback_ms = 200
         gate.after_fetch(False, 20, now=100.3)
-        assert gate.next_wait_ms == 200 and gate.fetch_max_wait_ms(20) == 1  # wake-ups again
+        assert gate.next_wait_ms == 200 and gate.fetch_max_wait_ms(500) == gate.hold_ms  # wake-ups again
 
     asyncio.run(run())
 
@@ -167,7 +167,7 @@ def test_the_transport_holds_each_fetch_at_the_gate_and_sends_none_when_cancelle
         held.cancel()
         assert await asyncio.wait_for(held, 5) is False
         assert fetcher.fetched == 2  # a cancelled wait sends no fetch
-        assert fetcher._fetch_max_wait_ms == 1  # the broker answers gated fetches at once
+        assert fetcher._fetch_max_wait_ms == gate.hold_ms  # gated fetches: a short hold, not the idle wait
 
     asyncio.run(run())
 
