@@ -25,6 +25,7 @@ from mmpipe.models.image_classifier import resnet18_spec
 from mmpipe.schemas.codec import WorkItem, decode_work_item, encode_work_item
 from mmpipe.stages.decode import samples
 from mmpipe.stages.decode.media import DecodeLimits, decode_image
+from mmpipe.stages.decode.stage import frame_meta
 from mmpipe.streams.broker import EmbeddedBroker, free_port
 
 VARIANTS = {"centre crop": True, "whole frames": False}
@@ -34,12 +35,9 @@ def decoded_item(jpeg: bytes, limits: DecodeLimits, spec, n: int) -> WorkItem:
     """What decode publishes for one image job (stages/decode/stage.py: _items)."""
     media = decode_image(jpeg, limits)
     (frame,) = media.frames
-    meta = {"frame": 0, "t_s": 0.0, "width": media.width, "height": media.height}
-    if frame.center_crop:
-        meta["center_crop"] = frame.center_crop
     now = time.time()
     return WorkItem(job_id=f"j{n}", part=0, parts=1, kind="image", modality="image", model=spec.ref, created_at=now,
-                    deadline=now + 300, trace={"created": now}, meta=meta, tensors={"rgb": frame.rgb})
+                    deadline=now + 300, trace={"created": now}, meta=frame_meta(frame, media), tensors={"rgb": frame.rgb})
 
 
 async def block(producer, consumer, topic: str, jpeg: bytes, limits: DecodeLimits, spec, jobs: int, first: int,

@@ -136,13 +136,7 @@ class BatchPolicy:
         if not due:
             return None
         *_, key, trigger = min(due, key=lambda d: (d[0], d[1]))
-        heap = self.buckets[key]
-        batch = [heapq.heappop(heap)[2]]
-        while heap and len(batch) < self.max_batch_size and (trigger != "expedite" or self._urgent(heap[0][2])):
-            batch.append(heapq.heappop(heap)[2])
-        self._set(key, heap)
-        self.size -= len(batch)
-        return batch, trigger
+        return self._take(key, urgent_only=trigger == "expedite"), trigger
 
     def next_urgent_batch(self) -> list[Pending] | None:
         """The urgent slot's work: the leading urgent items of the bucket whose best item ranks
@@ -150,15 +144,7 @@ class BatchPolicy:
         if not self.buckets:
             return None
         key = min(self.buckets, key=lambda k: self.buckets[k][0][:2])
-        heap = self.buckets[key]
-        batch = []
-        while heap and len(batch) < self.max_batch_size and self._urgent(heap[0][2]):
-            batch.append(heapq.heappop(heap)[2])
-        if not batch:
-            return None
-        self._set(key, heap)
-        self.size -= len(batch)
-        return batch
+        return self._take(key, urgent_only=True) or None
 
     def expiry_at(self) -> float | None:
         """The earliest deadline of a queued item that expires (a reject timeout action)."""
@@ -175,8 +161,21 @@ class BatchPolicy:
                 times.append(oldest + self.max_wait_s)
             elif self.mode == "static":
                 times.append(oldest + self.static_timeout_s)
-            times.extend(e[2].deadline for e in heap if e[2].expires)
-        return min(times) if times else None
+        expiry = self.expiry_at()
+        if expiry is not None:
+            times.append(expiry)
+        return min(times, default=None)
+
+    def _take(self, key: Hashable, urgent_only: bool) -> list[Pending]:
+        """The bucket's best-ranked items up to max_batch_size (only its leading urgent ones
+        with `urgent_only`), out of the queue."""
+        heap = self.buckets[key]
+        batch: list[Pending] = []
+        while heap and len(batch) < self.max_batch_size and (not urgent_only or self._urgent(heap[0][2])):
+            batch.append(heapq.heappop(heap)[2])
+        self._set(key, heap)
+        self.size -= len(batch)
+        return batch
 
     def _urgent(self, item: Pending) -> bool:
         return self.expedite_priority is not None and item.priority <= self.expedite_priority

@@ -18,7 +18,7 @@ from typing import Any
 
 from mmpipe.stages.decode.inputs import read_payload
 from mmpipe.stages.decode.isolation import DecodePool
-from mmpipe.stages.decode.media import DecodedMedia, DecodeLimits, decode_text, windows
+from mmpipe.stages.decode.media import DecodedFrame, DecodedMedia, DecodeLimits, decode_text, windows
 from mmpipe.models.base import ModelError, ModelSpec
 from mmpipe.models.registry import DEFAULTS, KIND_OF_MODALITY, all_specs, get_spec, resolve
 from mmpipe.schemas import MediaEvent, Refused, WorkItem, decode_event, encode_work_item, payload_digest
@@ -110,10 +110,7 @@ class DecodeStage(Stage):
             parts.append(("text", spec, {}, {"text": media}))
         else:
             for frame in media.frames:
-                meta = {"frame": frame.index, "t_s": frame.time_s, "width": media.width, "height": media.height}
-                if frame.center_crop:
-                    meta["center_crop"] = frame.center_crop
-                parts.append(("image", spec, {"rgb": frame.rgb}, meta))
+                parts.append(("image", spec, {"rgb": frame.rgb}, frame_meta(frame, media)))
             if media.pcm is not None and media.pcm.size:
                 audio_spec = spec if spec.config.kind == "audio" else get_spec(DEFAULTS["audio"])
                 hints = audio_spec.config.decode
@@ -158,3 +155,12 @@ class DecodeStage(Stage):
             digest=payload_digest(event),
             priority=event.priority,
         )
+
+
+def frame_meta(frame: DecodedFrame, media: DecodedMedia) -> dict[str, Any]:
+    """What an image work item says about its frame: where it sits in the media, the media's
+    size, and whether decode already cut it to the model's centre crop."""
+    meta: dict[str, Any] = {"frame": frame.index, "t_s": frame.time_s, "width": media.width, "height": media.height}
+    if frame.center_crop:
+        meta["center_crop"] = frame.center_crop
+    return meta

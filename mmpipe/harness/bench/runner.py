@@ -77,6 +77,8 @@ class Runner:
         self._warm = False
         self.cache_dir = load_settings().state_path("bench-cache")
         self.efficiency_result: dict[str, Any] = {}
+        if "efficiency" in cfg.scenarios:  # a misspelt --efficiency-variants fails now, not after the other scenarios
+            efficiency.variants(load_settings(), cfg.efficiency_variants)
 
     # Top level -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -319,8 +321,9 @@ class Runner:
         topic per hop for every level, high items batched like the rest), with them (priority
         lanes, expedite and the urgent slot), with them but no urgent slot (high items wait for a
         running batch), then the three again in reverse. Each run starts on fresh topics (the
-        embedded broker slows as partitions fill) and the ABBA order cancels what drift remains. Per level the latency percentiles, and the starvation check at the
-        batcher from the jobs' traces (stats.priority_stats)."""
+        embedded broker slows as partitions fill) and the ABBA order cancels what drift remains.
+        Per level the latency percentiles, and the starvation check at the batcher from the
+        jobs' traces (stats.priority_stats)."""
         assert self.bench is not None
         cfg = self.cfg
         rate = self.rate_at(cfg.priority_load)
