@@ -38,6 +38,10 @@ class BatchingSettings(BaseModel):
     # after it or inside a full one (streams/batching.py: the urgent slot), for models whose
     # predict allows two threads.
     urgent_slot: bool = True
+    # The urgent slot's thread runs this many nice steps above the main model thread, so an
+    # urgent batch beside a running batch gets most of the core they share instead of half
+    # (needs CAP_SYS_NICE or RLIMIT_NICE room; without, an even split, logged). 0: even split.
+    urgent_precedence_nice: int = Field(10, ge=0, le=20)
 
 
 class SchedulingSettings(BaseModel):

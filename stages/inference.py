@@ -82,7 +82,7 @@ class InferenceStage(Stage):
             executor=self._model_executor(ref),
             metrics=self.metrics,
             aging_s=self.settings.scheduling.aging_s,
-            urgent_executor=self._model_executor(ref, "urgent") if urgent_slot else None,
+            urgent_executor=self._model_executor(ref, "urgent", settings.urgent_precedence_nice) if urgent_slot else None,
         )
 
     def _continuous(self, ref: ModelRef, model: AutoregressiveModel) -> ContinuousBatcher:
@@ -100,12 +100,13 @@ class InferenceStage(Stage):
             metrics=self.metrics,
         )
 
-    def _model_executor(self, ref: ModelRef, role: str = "") -> ThreadPoolExecutor:
+    def _model_executor(self, ref: ModelRef, role: str = "", precedence: int = 0) -> ThreadPoolExecutor:
         """One thread per model (and its urgent slot's), on the model's own cores when
-        MMPIPE_MODEL_CPUS names them."""
+        MMPIPE_MODEL_CPUS names them; the slot's thread runs `precedence` nice steps above the
+        main one, so that its batch takes the core they share first."""
         name = f"model-{ref.name}" + (f"-{role}" if role else "")
         return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=pin_model_thread,
-                                  initargs=(self.settings.model_cpus,))
+                                  initargs=(self.settings.model_cpus, precedence))
 
     def _with_injected_faults(self, predict: Callable[[list], list]) -> Callable[[list], list]:
         """The model call with the configured fault injection: a degraded replica (a delay per

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,30 @@ def pin_pipeline_process(model_cpus: Iterable[int]) -> None:
         pin_threads(os.getpid(), pipeline_cpus(model_cpus), f"pid {os.getpid()}")
 
 
-def pin_model_thread(model_cpus: Iterable[int]) -> None:
-    """Executor initializer of the model thread: this thread alone moves to model_cpus."""
+def pin_model_thread(model_cpus: Iterable[int], precedence: int = 0) -> None:
+    """Executor initializer of a model thread: this thread alone moves to model_cpus, and runs
+    `precedence` nice steps above the process (an urgent slot's thread beside a main one)."""
     model_cpus = set(model_cpus)
     if model_cpus:
         pin(0, model_cpus, "the model thread")
+    raise_thread_priority(precedence)
+
+
+def raise_thread_priority(steps: int) -> bool:
+    """Give the calling thread more CPU than the other threads on its core: a nice value `steps`
+    below its current one (Linux: nice is per thread). That needs CAP_SYS_NICE or room under
+    RLIMIT_NICE; without either the thread keeps its value and shares its core evenly, which
+    is logged. (The reverse, the other thread at a higher nice value, needs no privilege, but
+    then it would lose its core to any process that lands there, not only to this thread.)"""
+    if steps <= 0 or not hasattr(os, "setpriority"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid) - steps, -20))
+    except OSError as exc:
+        log.warning("thread %d keeps its CPU priority (%s): it shares its core evenly", tid, exc)
+        return False
+    return True
 
 
 def pin_threads(pid: int, cpus: set[int], what: str) -> None:

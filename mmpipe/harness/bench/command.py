@@ -33,6 +33,8 @@ def bench(
     efficiency_variants: str = typer.Option("", help="efficiency: a comma-separated subset of the variants to run beside "
                                                      "'adaptive' (consumer thread, no wake-ups, whole frames, polling); "
                                                      "empty: all"),
+    priority_seconds: Optional[float] = typer.Option(None, help="priority: seconds of Poisson arrivals per run (default 30; "
+                                                              "--quick 15); longer runs give the high jobs' p99 more jobs"),
     speech_clips: Optional[int] = typer.Option(None, help="speech: espeak-ng clips of 1-25 s (default 48; --quick 6)"),
     speech_rate: Optional[float] = typer.Option(None, help="speech: Poisson arrivals per second (default: --speech-load "
                                                            "x the clips/s served one at a time, measured first)"),
@@ -63,9 +65,10 @@ def bench(
         efficiency_rounds=efficiency_rounds,
         efficiency_variants=tuple(v.strip() for v in efficiency_variants.split(",") if v.strip()),
     )
-    speech = dict(speech_clips=speech_clips, speech_rate=speech_rate, speech_load=speech_load, speech_seed=speech_seed, speech_rows=speech_rows,
-                  speech_mix=speech_mix)
-    options.update({k: v for k, v in speech.items() if v is not None})  # else the preset's
+    unless_preset = dict(priority_s=priority_seconds, speech_clips=speech_clips, speech_rate=speech_rate, speech_load=speech_load,
+                         speech_seed=speech_seed, speech_rows=speech_rows,
+                         speech_mix=speech_mix)
+    options.update({k: v for k, v in unless_preset.items() if v is not None})  # else the preset's
     if quick:
         # --quick runs the poisson scenario unless scenarios were named explicitly.
         config = BenchConfig.quick_preset(**options, **({} if scenario == "all" else {"scenarios": scenarios}))

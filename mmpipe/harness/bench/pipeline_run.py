@@ -53,12 +53,15 @@ class Policy:
     static_timeout_ms: float = 1000.0
     expedite: bool = True  # high-priority items run at once in batches of their own (BatchingSettings)
     urgent_slot: bool = True  # ... and beside a running batch (streams/batching.py: the urgent slot)
+    precedence: bool = True  # ... which takes the shared model core first (urgent_precedence_nice)
 
     @property
     def label(self) -> str:
         if not self.expedite:
             return self._base_label + " no-expedite"
-        return self._base_label + ("" if self.urgent_slot else " no-slot")
+        if not self.urgent_slot:
+            return self._base_label + " no-slot"
+        return self._base_label + ("" if self.precedence else " even-split")
 
     @property
     def _base_label(self) -> str:
@@ -76,6 +79,7 @@ class Policy:
             static_timeout_ms=self.static_timeout_ms,
             expedite_priority=HIGH_PRIORITY if self.expedite else None,
             urgent_slot=self.urgent_slot,
+            **({} if self.precedence else {"urgent_precedence_nice": 0}),
         )
 
     def sim(self) -> SimPolicy:

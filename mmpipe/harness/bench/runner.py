@@ -317,10 +317,11 @@ class Runner:
 
     def priority(self, policy: Policy) -> None:
         """Poisson at priority_load with a seeded share of the jobs at high priority and the rest
-        at priority_rest, six times on the same schedule: without the priority mechanisms (one
+        at priority_rest, eight times on the same schedule: without the priority mechanisms (one
         topic per hop for every level, high items batched like the rest), with them (priority
-        lanes, expedite and the urgent slot), with them but no urgent slot (high items wait for a
-        running batch), then the three again in reverse. Each run starts on fresh topics (the
+        lanes, expedite and the urgent slot, whose batch takes the shared model core first),
+        with the slot's batch and the running one splitting the core evenly, with them but no
+        urgent slot (high items wait for a running batch), then the four again in reverse. Each run starts on fresh topics (the
         embedded broker slows as partitions fill) and the ABBA order cancels what drift remains.
         Per level the latency percentiles, and the starvation check at the batcher from the
         jobs' traces (stats.priority_stats)."""
@@ -332,12 +333,15 @@ class Runner:
         aging_s = self.bench.settings.scheduling.aging_s
         without = (replace(policy, expedite=False), Topology(lanes=False))
         with_them = (policy, Topology())
+        even_split = (replace(policy, precedence=False), Topology())
         no_slot = (replace(policy, urgent_slot=False), Topology())
-        for variant, topology in (without, with_them, no_slot, no_slot, with_them, without):
+        variants = (without, with_them, even_split, no_slot)
+        for variant, topology in (*variants, *reversed(variants)):
             self.fresh_start(variant, topology)
             run = self.execute(schedule, "priority", variant, load=cfg.priority_load, rate=rate, topology=topology)
             run["mechanisms"] = variant.expedite and topology.lanes
             run["urgent_slot"] = variant.expedite and variant.urgent_slot
+            run["precedence"] = run["urgent_slot"] and variant.precedence
             run["priority"] = figures = stats.priority_stats(self.bench.fetch(run["tag"]), aging_s)
             levels = figures["levels"]
             self.say(f"priority levels ({run['label']}): "

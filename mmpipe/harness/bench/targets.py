@@ -104,10 +104,12 @@ def _priorities(result: dict[str, Any]) -> list[dict[str, Any]]:
     runs = [r for r in result["runs"] if r["scenario"] == "priority" and "priority" in r]
     if not runs:
         return []
-    # With the priority mechanisms (lanes, expedite, the urgent slot) the worst of the runs is
-    # judged; the runs without the slot, and without any, on the same schedule are reported beside it.
-    judged = [r for r in runs if r.get("mechanisms", True) and r.get("urgent_slot", True)] or runs
+    # With the priority mechanisms (lanes, expedite, the urgent slot and its precedence) the worst
+    # of the runs is judged; the runs with an even split of the model core, without the slot, and
+    # without any, on the same schedule are reported beside it.
+    judged = [r for r in runs if r.get("mechanisms", True) and r.get("urgent_slot", True) and r.get("precedence", True)] or runs
     run = max(judged, key=lambda r: r["priority"]["high_over_low_p99"] or 0.0)
+    even_split = [r for r in runs if r.get("urgent_slot") and r.get("precedence") is False]
     no_slot = [r for r in runs if r.get("mechanisms", True) and r.get("urgent_slot") is False]
     baselines = [r for r in runs if r.get("mechanisms") is False]
     fig = run["priority"]
@@ -119,6 +121,8 @@ def _priorities(result: dict[str, Any]) -> list[dict[str, Any]]:
     detail = f"{run['label']} at {run['load']:.0%} load ({run['offered_rate']:.2f} jobs/s), aging_s {fig['aging_s']:g}: {counts}"
     if len(judged) > 1:
         detail += "; the worst of " + ", ".join(_ratio(r) for r in judged)
+    if even_split:
+        detail += f"; same schedule, urgent slot splitting the model core evenly ({even_split[0]['label']}): " + ", ".join(_ratio(r) for r in even_split)
     if no_slot:
         detail += f"; same schedule without the urgent slot ({no_slot[0]['label']}): " + ", ".join(_ratio(r) for r in no_slot)
     if baselines:
