@@ -93,11 +93,11 @@ def worker(stage: Annotated[str, typer.Argument(help=" | ".join(STAGE_NAMES))], 
     from mmpipe.streams.topology import UnknownStage, stage_spec
     from mmpipe.supervisor import READY_FILE_ENV
 
+    settings = _process_settings(stage, bootstrap)
     try:
-        spec = stage_spec(stage)
+        spec = stage_spec(stage, settings)
     except UnknownStage as exc:
         raise typer.BadParameter(str(exc)) from None
-    settings = _process_settings(stage, bootstrap)
     logging.basicConfig(level=logging_level(settings.log_level), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stage_obj = spec.load_class()(settings, StageMetrics(stage))
     ready = os.environ.get(READY_FILE_ENV)

@@ -37,7 +37,7 @@ from mmpipe.capacity import (
     stage_workers,
 )
 from mmpipe.schemas.settings import Settings
-from mmpipe.streams.topology import PORTS_PER_STAGE, STAGE_NAMES, metrics_port
+from mmpipe.streams.topology import PORTS_PER_STAGE, STAGE_NAMES, metrics_port, stage_names
 from mmpipe.schemas import JobResult
 from mmpipe.streams.kafka import LagReader, PartitionLag, group_id
 
@@ -162,7 +162,7 @@ async def stage_lag_rows(settings: Settings) -> list[PartitionLag]:
     """Every stage group's lag on its input partitions, in topology order."""
     reader = LagReader(settings)
     try:
-        return [row for stage in STAGE_NAMES for row in await reader.read_stage(stage)]
+        return [row for stage in stage_names(settings) for row in await reader.read_stage(stage)]
     finally:
         await reader.close()
 
@@ -260,7 +260,7 @@ class Snapshot:
 async def take_snapshot(reader: LagReader, settings: Settings, endpoints: list[MetricsEndpoint]) -> Snapshot:
     scrapes = asyncio.gather(*(asyncio.to_thread(scrape, e.url) for e in endpoints))
     at = time.monotonic()
-    partitions = {stage: await reader.read_stage(stage) for stage in STAGE_NAMES}
+    partitions = {stage: await reader.read_stage(stage) for stage in stage_names(settings)}
     texts = {e.url: text for e, text in zip(endpoints, await scrapes) if text is not None}
     pages = {e.url: parse_metrics(texts[e.url], e.stage) for e in endpoints if e.url in texts}
     return Snapshot(at, partitions, pages, texts)
@@ -326,12 +326,12 @@ async def capacity_report(
     finally:
         await reader.close()
     hints = hints_between(settings, before, after, members, target)
-    rows = [row for stage in STAGE_NAMES for row in after.partitions[stage]]
+    rows = [row for stage in stage_names(settings) for row in after.partitions[stage]]
     return CapacityReport(settings.bootstrap, after.at - before.at, target, hints, rows, len(after.pages))
 
 
 async def stage_members(reader: LagReader, settings: Settings) -> dict[str, int | None]:
-    return {stage: await reader.group_members(group_id(settings, stage)) for stage in STAGE_NAMES}
+    return {stage: await reader.group_members(group_id(settings, stage)) for stage in stage_names(settings)}
 
 
 def hints_between(
@@ -341,7 +341,7 @@ def hints_between(
     workers = stage_workers(settings)
     return [
         capacity_hint(stage_load(stage, before, after, workers[stage], members[stage]), target)
-        for stage in STAGE_NAMES
+        for stage in stage_names(settings)
     ]
 
 

@@ -25,7 +25,7 @@ from mmpipe.streams.affinity import pipeline_cpus
 from mmpipe.streams.broker import EmbeddedBroker, free_port
 from mmpipe.streams.children import die_with_parent
 from mmpipe.streams.kafka import ensure_topics
-from mmpipe.streams.topology import PIPELINE, PORTS_PER_STAGE, metrics_port
+from mmpipe.streams.topology import PIPELINE, PORTS_PER_STAGE, metrics_port, pipeline_of
 
 READY_FILE_ENV = "MMPIPE_READY_FILE"
 
@@ -161,7 +161,7 @@ class Pipeline:
             if self.embedded_broker:
                 self._start_broker()
             asyncio.run(ensure_topics(self.settings))
-            for spec in PIPELINE:
+            for spec in pipeline_of(self.settings):
                 for index in range(self.replicas.get(spec.name, spec.default_replicas)):
                     self.spawn(spec.name, index)
             self.wait_ready(timeout_s)

@@ -198,6 +198,10 @@ class Settings(BaseSettings):
     # (a 256x341 frame travels as 224x224: 43 % fewer bytes on the decoded topic); off, whole
     # scaled frames travel and preprocess crops them (the same pixels either way).
     decode_center_crop: bool = True
+    # Decode runs preprocess's transform itself and feeds inference (streams/topology.py:
+    # FUSED_PIPELINE): no `decoded` topic hop, no preprocess process. For a host that runs
+    # both stages anyway; apart (the default, and compose) each scales on its own.
+    fuse_preprocess: bool = False
     video_sample_fps: float = Field(1.0, gt=0)
     video_max_frames: int = Field(16, ge=1)
     audio_max_seconds: float = Field(600.0, gt=0)

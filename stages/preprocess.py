@@ -55,8 +55,10 @@ class PreprocessStage(Stage):
         self._pool.shutdown()
 
     async def handle(self, message: Incoming) -> list[Outgoing]:
-        item = decode_work_item(message.value)
-        started = message.received_at
+        return await self.prepare(decode_work_item(message.value), message.received_at, message.key)
+
+    async def prepare(self, item: WorkItem, started: float, key: bytes | None) -> list[Outgoing]:
+        """One decoded part, taken at `started`, made model-ready and placed onto `ready`."""
         item.trace["preprocess_in"] = started
         if deadline_verdict(time.time(), item.deadline, item.on_timeout) == "expire":
             return [self.answer_without_work(
@@ -74,10 +76,10 @@ class PreprocessStage(Stage):
             if item.parts == 1:
                 raise
             # One bad part (a frame) of a multi-part job: answer it as failed, keep the others.
-            return [Outgoing(self.topics.predictions, message.key or item.job_id.encode(), to_json(failed_part(item, exc)))]
+            return [Outgoing(self.topics.predictions, key or item.job_id.encode(), to_json(failed_part(item, exc)))]
         ready.trace["preprocess_out"] = time.time()
         self.metrics.observe_service("preprocess", ready.trace["preprocess_out"] - started)
-        return [Outgoing(self.topics.lane(READY, ready.priority), message.key or item.job_id.encode(), encode_work_item(ready),
+        return [Outgoing(self.topics.lane(READY, ready.priority), key or item.job_id.encode(), encode_work_item(ready),
                          self._place(item.model.name))]
 
     def _place(self, model: str) -> int | None:

@@ -28,13 +28,13 @@ def group_id(settings: Settings, stage: str) -> str:
 
 
 def stage_input_topics(settings: Settings, stage: str) -> list[str]:
-    return [topic.name(settings.topic_prefix) for topic in stage_spec(stage).inputs]
+    return [topic.name(settings.topic_prefix) for topic in stage_spec(stage, settings).inputs]
 
 
 def downstream_of(settings: Settings, stage: str) -> tuple[list[str], str] | None:
     """(output topics: the output and its high lane, consuming group) of the stage after
     `stage`; None after the sink."""
-    spec = stage_spec(stage)
+    spec = stage_spec(stage, settings)
     if spec.output is None or spec.downstream is None:
         return None
     return [t.name(settings.topic_prefix) for t in with_lanes(spec.output)], group_id(settings, spec.downstream)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmpipe.schemas.settings import Settings
-from mmpipe.streams.topology import PIPELINE
+from mmpipe.streams.topology import pipeline_of
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def wake_folder(state_dir: Path, bootstrap: str, topic_prefix: str, stage: str) 
 def listening_folder(settings: Settings, stage: str) -> Path | None:
     """Where `stage`'s consumers listen for wake-ups; None where they poll: wake-ups off, or the
     first stage, whose input comes from outside the pipeline."""
-    if not settings.fetch_wakeups or not any(spec.downstream == stage for spec in PIPELINE):
+    if not settings.fetch_wakeups or not any(spec.downstream == stage for spec in pipeline_of(settings)):
         return None
     return wake_folder(settings.state_dir, settings.bootstrap, settings.topic_prefix, stage)
 
@@ -65,7 +65,7 @@ def listening_folder(settings: Settings, stage: str) -> Path | None:
 def reader_folders(settings: Settings) -> dict[str, Path]:
     """Topic name -> the wake folder of the stage that reads it, for every listening stage."""
     folders = {}
-    for spec in PIPELINE:
+    for spec in pipeline_of(settings):
         folder = listening_folder(settings, spec.name)
         if folder is not None:
             folders.update({topic.name(settings.topic_prefix): folder for topic in spec.inputs})

@@ -326,9 +326,10 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
     from mmpipe.harness.bench import efficiency
     from mmpipe.schemas.settings import load_settings
 
-    settings = load_settings().model_copy(update={"fetch_wakeups": True, "consumer_in_thread": False, "decode_center_crop": True})
+    settings = load_settings().model_copy(update={"fetch_wakeups": True, "consumer_in_thread": False, "decode_center_crop": True,
+                                                  "fuse_preprocess": False})
     variants = efficiency.variants(settings)
-    assert list(variants) == ["adaptive", "consumer thread", "no wake-ups", "whole frames", "polling"]
+    assert list(variants) == ["adaptive", "consumer thread", "no wake-ups", "whole frames", "fused", "polling"]
     keys = set(variants["polling"])
     assert all(set(o) == keys for o in variants.values())  # each applies alone, whatever ran before
     assert variants["adaptive"] == {k: getattr(settings, k) for k in keys}  # this build's own settings
@@ -336,6 +337,7 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
     assert variants["no wake-ups"]["fetch_wakeups"] is False and variants["no wake-ups"]["consumer_in_thread"] is False
     assert variants["polling"]["consumer_in_thread"] is True
     assert variants["whole frames"] == variants["adaptive"] | {"decode_center_crop": False}
+    assert variants["fused"] == variants["adaptive"] | {"fuse_preprocess": True}
     subset = efficiency.variants(settings, only=("whole frames",))
     assert subset == {"adaptive": {"decode_center_crop": True}, "whole frames": {"decode_center_crop": False}}
     with pytest.raises(ValueError, match="unknown efficiency variant"):

@@ -23,7 +23,7 @@ from mmpipe.client import Publisher, follow_results, make_event
 from mmpipe.schemas.settings import Settings
 from mmpipe.stages.sink.store import StoreUnavailable, count_results, open_store
 from mmpipe.streams.faults import fired
-from mmpipe.streams.topology import STAGE_NAMES
+from mmpipe.streams.topology import stage_names
 from mmpipe.supervisor import Pipeline
 from mmpipe.schemas import MediaEvent, ModelRef, to_json
 from mmpipe.schemas.events import HIGH_PRIORITY, NORMAL_PRIORITY
@@ -282,8 +282,8 @@ async def _read_topic(settings: Settings) -> list:
 
 def kill_every_stage_plan(run: ChaosRun) -> list[tuple[float, Callable[[], None]]]:
     """SIGKILL each stage in turn while traffic flows; each restarts and rejoins its group."""
-    steps = len(STAGE_NAMES) + 1
-    return [((i + 1) / steps, lambda stage=stage: run.kill_and_restart(stage)) for i, stage in enumerate(STAGE_NAMES)]
+    stages = stage_names(run.settings)
+    return [((i + 1) / (len(stages) + 1), lambda stage=stage: run.kill_and_restart(stage)) for i, stage in enumerate(stages)]
 
 
 def run_chaos(settings: Settings, workdir: Path, jobs: int, bad: int, rate: float,

@@ -19,7 +19,7 @@ from mmpipe.harness.bench.resources import ResourceSampler
 from mmpipe.client import Publisher, make_event
 from mmpipe.schemas.settings import BatchingSettings, Settings
 from mmpipe.stages.sink.store import count_results, open_store
-from mmpipe.streams.topology import STAGE_NAMES
+from mmpipe.streams.topology import stage_names
 from mmpipe.supervisor import Pipeline
 from mmpipe.streams.kafka import LagReader
 
@@ -113,7 +113,7 @@ async def _await_recovery(settings: Settings, published: int, timeout_s: float) 
     try:
         while time.monotonic() - start < timeout_s:
             if await asyncio.to_thread(count_results, settings.store_url) >= published:
-                lag = [row.lag for stage in STAGE_NAMES for row in await reader.read_stage(stage)]
+                lag = [row.lag for stage in stage_names(settings) for row in await reader.read_stage(stage)]
                 if sum(max(value, 0) for value in lag) == 0:
                     return round(time.monotonic() - start, 1)
             await asyncio.sleep(0.5)

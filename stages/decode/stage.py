@@ -67,7 +67,10 @@ class DecodeStage(Stage):
         media = await self._decode(event, payload, frame_spec)
         items = self._items(event, media, frame_spec, deadline, started)
         self.metrics.observe_service("decode", time.time() - started)
-        key = event.job_id.encode()
+        return await self.forward(items, event.job_id.encode())
+
+    async def forward(self, items: list[WorkItem], key: bytes) -> list[Outgoing]:
+        """Where decoded items go: onto `decoded` (the lane of their priority), for preprocess."""
         return [Outgoing(self.topics.lane(DECODED, item.priority), key, encode_work_item(item)) for item in items]
 
     # ---------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def bench(
     efficiency_rounds: int = typer.Option(2, help="efficiency: rounds of the settings variants in ABBA order, each "
                                                   "on fresh topics; the figures are the mean of the rounds"),
     efficiency_variants: str = typer.Option("", help="efficiency: a comma-separated subset of the variants to run beside "
-                                                     "'adaptive' (consumer thread, no wake-ups, whole frames, polling); "
+                                                     "'adaptive' (consumer thread, no wake-ups, whole frames, fused, polling); "
                                                      "empty: all"),
     priority_seconds: Optional[float] = typer.Option(None, help="priority: seconds of Poisson arrivals per run (default 30; "
                                                               "--quick 15); longer runs give the high jobs' p99 more jobs"),

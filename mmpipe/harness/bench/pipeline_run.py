@@ -32,7 +32,7 @@ from mmpipe.stages.sink.store.sqlite import sqlite_path
 from mmpipe.report import scrape
 from mmpipe.streams import affinity
 from mmpipe.streams.kafka import ensure_topics
-from mmpipe.streams.topology import metrics_port
+from mmpipe.streams.topology import STAGE_NAMES, metrics_port, stage_names
 from mmpipe.supervisor import Pipeline, tail
 from mmpipe.schemas import JobResult
 from mmpipe.schemas.events import HIGH_PRIORITY
@@ -160,6 +160,8 @@ class BenchPipeline:
             restart.add("preprocess")  # it runs the router
         if topology.lanes != self.topology.lanes:
             restart |= {"decode", "preprocess"}  # they publish into the lanes
+        if self.pipeline.settings.fuse_preprocess and "preprocess" in restart:
+            restart.add("decode")  # preprocess runs inside decode
         kept = {stage: sum(1 for p in self.pipeline.processes if p.stage == stage) for stage in ("decode", "preprocess")}
         for proc in [p for p in self.pipeline.processes if p.stage in restart]:
             if proc.alive():
@@ -184,10 +186,14 @@ class BenchPipeline:
             self.sampler.unwatch(proc.name)
         self.pipeline.settings = self.settings.model_copy(update=overrides)
         self._pin_broker()
-        slots = [(p.stage, p.index) for p in self.pipeline.processes]
+        counts = {stage: sum(1 for p in self.pipeline.processes if p.stage == stage) for stage in STAGE_NAMES}
         if inference_replicas is not None:
-            slots = [s for s in slots if s[0] != "inference"] + [("inference", i) for i in range(inference_replicas)]
-            self.pipeline.processes = [p for p in self.pipeline.processes if (p.stage, p.index) in slots]
+            counts["inference"] = inference_replicas
+        # The stages these settings run (decode and preprocess may be fused), each with the
+        # replicas it had, or its configured count if it did not run before.
+        slots = [(stage, i) for stage in stage_names(self.pipeline.settings)
+                 for i in range(counts[stage] or self.pipeline.replicas.get(stage, 1))]
+        self.pipeline.processes = [p for p in self.pipeline.processes if (p.stage, p.index) in slots]
         new = [self.pipeline.spawn(stage, index) for stage, index in slots]
         self.pipeline.wait_ready(timeout_s, new)
         self._watch_all()

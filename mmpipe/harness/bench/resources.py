@@ -22,7 +22,7 @@ import psutil
 from mmpipe.schemas.settings import Settings
 from mmpipe.streams.kafka import LagReader
 from mmpipe.streams.tasks import cancel_and_wait
-from mmpipe.streams.topology import STAGE_NAMES
+from mmpipe.streams.topology import stage_names
 
 MiB = 1024 * 1024
 
@@ -83,10 +83,12 @@ class ResourceSampler:
         self._sample()
         with self._lock:
             window, self._window = self._window, None
-            cpu_now = dict(self._cpu)
+            # Processes watched now: one that no longer runs (preprocess, with decode and
+            # preprocess fused) keeps its last reading, which is no CPU in this window.
+            cpu_now = {name: cpu for name, cpu in self._cpu.items() if name in self._procs}
         assert window is not None, "end() without begin()"
         wall = max(time.monotonic() - window.started, 1e-6)
-        cores = {name: round((cpu_now.get(name, 0.0) - window.cpu_start.get(name, 0.0)) / wall, 3) for name in cpu_now}
+        cores = {name: round((cpu_now[name] - window.cpu_start.get(name, 0.0)) / wall, 3) for name in cpu_now}
         busy = _busy_cores(window.system_start, psutil.cpu_times(), wall)
         report: dict[str, Any] = {
             "wall_s": round(wall, 2),
@@ -185,7 +187,7 @@ class LagSampler:
 
     async def sample(self) -> None:
         assert self._reader is not None
-        for stage in STAGE_NAMES:
+        for stage in stage_names(self.settings):
             try:
                 rows = await self._reader.read_stage(stage)
             except Exception:  # telemetry: a failed read must not fail the run
@@ -196,4 +198,4 @@ class LagSampler:
 
     def idle(self) -> bool:
         """Every stage has committed all it was given (nothing is in flight anywhere)."""
-        return len(self.last) == len(STAGE_NAMES) and all(lag <= 0 for lag in self.last.values())
+        return set(self.last) >= set(stage_names(self.settings)) and all(lag <= 0 for lag in self.last.values())
