@@ -104,13 +104,16 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
     written = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert written["runs"] and (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
     variants = list(result["efficiency"])
-    assert variants[0] == "adaptive" and "polling" in variants
+    assert variants == ["adaptive", "fused"]  # --quick: the default against decode and preprocess fused
     assert {run["scenario"] for run in result["runs"]} == {"flood", "poisson"} | {
         f"efficiency {v}{suffix}" for v in variants for suffix in ("", " flood")}
-    for variant in result["efficiency"].values():
-        assert {"broker", "decode-0", "preprocess-0", "inference-0", "sink-0"} <= set(variant["idle_ms_per_s"])
+    for name, variant in result["efficiency"].items():
+        fused = variant["settings"]["fuse_preprocess"]  # what tells the variants apart
+        assert fused is (name == "fused")
+        running = {"broker", "decode-0", "inference-0", "sink-0"} | (set() if fused else {"preprocess-0"})
+        assert set(variant["idle_ms_per_s"]) == set(variant["saturation"]["cpu"]["per_process_ms"]) == running
+        assert ("decoded" in variant["bytes_per_job"]) is not fused  # fused: no decoded hop
         assert variant["model_probe"]["items_per_s"] > 0 and variant["model_probe"]["vs_start"] > 0
-        assert {"fetch_wakeups", "consumer_in_thread"} <= set(variant["settings"])  # what tells the variants apart
         cpu = variant["saturation"]["cpu"]
         assert cpu["total_ms"] == pytest.approx(sum(cpu["per_process_ms"].values()), abs=0.5)
         assert cpu["outside_model_ms"] == pytest.approx(cpu["total_ms"] - cpu["model_ms"], abs=0.2)
