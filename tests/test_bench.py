@@ -117,6 +117,8 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
         cpu = variant["saturation"]["cpu"]
         assert cpu["total_ms"] == pytest.approx(sum(cpu["per_process_ms"].values()), abs=0.5)
         assert cpu["outside_model_ms"] == pytest.approx(cpu["total_ms"] - cpu["model_ms"], abs=0.2)
+        at_probe = cpu["total_ms"] - cpu["model_ms"] / variant["model_probe"]["vs_start"]
+        assert cpu["outside_model_at_probe_ms"] == pytest.approx(at_probe, abs=0.3)
         per_job = variant["bytes_per_job"]
         assert per_job["ready"]["records"] == per_job["events"]["records"] == 1  # one image part per job
         assert per_job["ready"]["bytes"] > 3 * 224 * 224  # the uint8 crop and its header
@@ -347,6 +349,21 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
         efficiency.variants(settings, only=("no such",))
     order = [name for name, _ in efficiency.round_order(subset, 2)]
     assert order == ["adaptive", "whole frames", "whole frames", "adaptive"]
+
+
+def test_cpu_outside_the_model_is_judged_against_the_model_s_speed_at_the_round_s_probe():
+    from mmpipe.harness.bench import efficiency
+
+    run = {"resources": {"wall_s": 10.0, "cpu_cores": {"broker": 0.1, "inference-0": 0.9, "bench": 0.5}}, "stats": {"ok": 100}}
+    curve_only = efficiency.cpu_per_job(run, 80.0)
+    assert curve_only["per_process_ms"] == {"broker": 10.0, "inference-0": 90.0}  # the bench's own client is not billed
+    assert (curve_only["total_ms"], curve_only["outside_model_ms"]) == (100.0, 20.0)
+    assert efficiency.outside_model_ms(curve_only) == 20.0
+    # The model ran 1.25x faster just before this round than in the curve at the start: it
+    # needs 64 ms of CPU per item then, not 80, so 36 ms went elsewhere, not 20.
+    probed = efficiency.cpu_per_job(run, 80.0, probe_vs_start=1.25)
+    assert (probed["model_ms_at_probe"], probed["outside_model_at_probe_ms"]) == (64.0, 36.0)
+    assert efficiency.outside_model_ms(probed) == 36.0
 
 
 def test_efficiency_rounds_are_averaged_leaf_by_leaf_and_kept():

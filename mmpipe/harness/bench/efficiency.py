@@ -110,14 +110,26 @@ def idle_ms_per_s(resources: dict[str, Any]) -> dict[str, float]:
     return {name: round(cores * 1000, 1) for name, cores in sorted(resources["cpu_cores"].items()) if name != "bench"}
 
 
-def cpu_per_job(run: dict[str, Any], model_ms_per_item: float) -> dict[str, Any]:
+def cpu_per_job(run: dict[str, Any], model_ms_per_item: float, probe_vs_start: float | None = None) -> dict[str, Any]:
     """CPU ms per job of every process in a saturation run, and the total outside the model
-    (all processes including the broker, less the model's own CPU per item alone)."""
+    (all processes including the broker, less the model's own CPU per item alone). The model's
+    CPU per item comes from the curve at the start of the run; `probe_vs_start` (the model
+    alone just before this round, against that curve) rescales it to the machine's speed at
+    the time, which on a shared machine moved by up to a fifth within one run."""
     res, jobs = run["resources"], max(run["stats"]["ok"], 1)
     per = {name: round(cores * res["wall_s"] / jobs * 1000, 1) for name, cores in sorted(res["cpu_cores"].items()) if name != "bench"}
     total = sum(per.values())
-    return {"per_process_ms": per, "total_ms": round(total, 1), "model_ms": round(model_ms_per_item, 1),
-            "outside_model_ms": round(total - model_ms_per_item, 1), "jobs": jobs}
+    out = {"per_process_ms": per, "total_ms": round(total, 1), "model_ms": round(model_ms_per_item, 1),
+           "outside_model_ms": round(total - model_ms_per_item, 1), "jobs": jobs}
+    if probe_vs_start:
+        at_probe = model_ms_per_item / probe_vs_start  # one torch thread: CPU per item ~ 1 / items per s
+        out |= {"model_ms_at_probe": round(at_probe, 1), "outside_model_at_probe_ms": round(total - at_probe, 1)}
+    return out
+
+
+def outside_model_ms(cpu: dict[str, Any]) -> float:
+    """The judged figure: against the model's speed at the round's probe where there is one."""
+    return cpu.get("outside_model_at_probe_ms", cpu["outside_model_ms"])
 
 
 def first_job_ms(results: list[JobResult]) -> float | None:

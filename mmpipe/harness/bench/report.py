@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from mmpipe.harness.bench import efficiency
 from mmpipe.harness.bench.stats import SPANS
 from mmpipe.harness.bench.targets import curve_throughput
 
@@ -200,6 +201,8 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
         row("CPU ms/job all processes", lambda v: v["saturation"]["cpu"]["total_ms"]),
         row("CPU ms/job model alone (same batch)", lambda v: v["saturation"]["cpu"]["model_ms"]),
         row("CPU ms/job outside the model", lambda v: v["saturation"]["cpu"]["outside_model_ms"]),
+        row("CPU ms/job model alone, at the round's probe", lambda v: v["saturation"]["cpu"]["model_ms_at_probe"]),
+        row("CPU ms/job outside the model, at the probe", lambda v: v["saturation"]["cpu"]["outside_model_at_probe_ms"]),
         row("saturation jobs/s", lambda v: v["saturation"]["throughput"]),
         row("mean batch", lambda v: v["saturation"]["mean_batch"]),
         row("throughput / model alone (same batch)", lambda v: v["saturation"]["ratio_to_model_alone"]),
@@ -207,7 +210,7 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
     ]
     rounds = _rounds(variants)
     if rounds > 1:  # the spread between a variant's rounds, beside the ratios of their means
-        for label, get in (("CPU ms/job outside the model", lambda r: r["saturation"]["cpu"]["outside_model_ms"]),
+        for label, get in (("CPU ms/job outside the model, at the probe", lambda r: efficiency.outside_model_ms(r["saturation"]["cpu"])),
                            ("saturation jobs/s", lambda r: r["saturation"]["throughput"]),
                            ("p50 e2e ms at 30% load", lambda r: r["light_load"]["p50_ms"]),
                            ("model alone just before / at start", lambda r: r["model_probe"]["vs_start"])):

@@ -436,7 +436,8 @@ class Runner:
                 "throughput": figures["throughput"], "mean_batch": figures["mean_batch"],
                 "model_alone_throughput": round(alone, 3), "ratio_to_model_alone": round(figures["throughput"] / alone, 3),
                 "execute_inflation": round(execute_inflation(figures, self.curve), 3),
-                "cpu": efficiency.cpu_per_job(flood, efficiency.model_cpu_per_item(self.curve.to_dict()["points"], figures["mean_batch"])),
+                "cpu": efficiency.cpu_per_job(flood, efficiency.model_cpu_per_item(self.curve.to_dict()["points"], figures["mean_batch"]),
+                                              probe["vs_start"]),
             },
             "bytes_per_job": efficiency.per_job(topic_bytes.added(), figures["published"], self.bench.settings.topic_prefix),
         }
