@@ -59,7 +59,7 @@ class BenchConfig:
     bursty_off_s: float = 4.0
     bursty_peak_load: float = 1.5  # on-period rate, as a share of saturation
     mixed_s: float = 25.0
-    mixed_load: float = 0.5  # mixed jobs carry more work (video frames + audio) than one image
+    mixed_load: float = 0.5  # of the mixed jobs' own saturation (a closed-loop flood of the mix first)
     degrade_factor: float = 1.0  # extra delay per batch on the slowed replica, in t(best batch)
     degraded_s: float = 25.0
     # Priority levels: Poisson at this share of saturation, a seeded pick of priority_high_share of
