@@ -25,7 +25,7 @@ from mmpipe.streams.affinity import pipeline_cpus
 from mmpipe.streams.broker import EmbeddedBroker, free_port
 from mmpipe.streams.children import die_with_parent
 from mmpipe.streams.kafka import ensure_topics
-from mmpipe.streams.topology import PIPELINE, PORTS_PER_STAGE, metrics_port, pipeline_of
+from mmpipe.streams.topology import PIPELINE, PORTS_PER_STAGE, StageSpec, metrics_port, pipeline_of
 
 READY_FILE_ENV = "MMPIPE_READY_FILE"
 
@@ -162,13 +162,17 @@ class Pipeline:
                 self._start_broker()
             asyncio.run(ensure_topics(self.settings))
             for spec in pipeline_of(self.settings):
-                for index in range(self.replicas.get(spec.name, spec.default_replicas)):
+                for index in range(self.replica_count(spec)):
                     self.spawn(spec.name, index)
             self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def replica_count(self, spec: StageSpec) -> int:
+        """How many processes of this stage the pipeline starts with."""
+        return self.replicas.get(spec.name, spec.default_replicas)
 
     def _start_broker(self) -> None:
         port = int(self.settings.bootstrap.rsplit(":", 1)[1]) if ":" in self.settings.bootstrap else 0

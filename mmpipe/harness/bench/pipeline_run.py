@@ -32,7 +32,7 @@ from mmpipe.stages.sink.store.sqlite import sqlite_path
 from mmpipe.report import scrape
 from mmpipe.streams import affinity
 from mmpipe.streams.kafka import ensure_topics
-from mmpipe.streams.topology import STAGE_NAMES, metrics_port, stage_names
+from mmpipe.streams.topology import metrics_port, pipeline_of
 from mmpipe.supervisor import Pipeline, tail
 from mmpipe.schemas import JobResult
 from mmpipe.schemas.events import HIGH_PRIORITY
@@ -186,13 +186,14 @@ class BenchPipeline:
             self.sampler.unwatch(proc.name)
         self.pipeline.settings = self.settings.model_copy(update=overrides)
         self._pin_broker()
-        counts = {stage: sum(1 for p in self.pipeline.processes if p.stage == stage) for stage in STAGE_NAMES}
-        if inference_replicas is not None:
-            counts["inference"] = inference_replicas
         # The stages these settings run (decode and preprocess may be fused), each with the
-        # replicas it had, or its configured count if it did not run before.
-        slots = [(stage, i) for stage in stage_names(self.pipeline.settings)
-                 for i in range(counts[stage] or self.pipeline.replicas.get(stage, 1))]
+        # replicas it had, or as many as the pipeline starts it with if it did not run before.
+        slots = []
+        for spec in pipeline_of(self.pipeline.settings):
+            count = sum(1 for p in self.pipeline.processes if p.stage == spec.name)
+            if spec.name == "inference" and inference_replicas is not None:
+                count = inference_replicas
+            slots += [(spec.name, i) for i in range(count or self.pipeline.replica_count(spec))]
         self.pipeline.processes = [p for p in self.pipeline.processes if (p.stage, p.index) in slots]
         new = [self.pipeline.spawn(stage, index) for stage, index in slots]
         self.pipeline.wait_ready(timeout_s, new)

@@ -326,8 +326,9 @@ class Runner:
         topic per hop for every level, high items batched like the rest), with them (priority
         lanes, expedite and the urgent slot, whose batch takes the shared model core first),
         with the slot's batch and the running one splitting the core evenly, with them but no
-        urgent slot (high items wait for a running batch), then the four again in reverse. Each run starts on fresh topics (the
-        embedded broker slows as partitions fill) and the ABBA order cancels what drift remains.
+        urgent slot (high items wait for a running batch), then the four again in reverse. Each
+        run starts on fresh topics (the embedded broker slows as partitions fill) and the ABBA
+        order cancels what drift remains.
         Per level the latency percentiles, and the starvation check at the batcher from the
         jobs' traces (stats.priority_stats)."""
         assert self.bench is not None
