@@ -154,6 +154,11 @@ class ModelSpec(abc.ABC):
     def preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[str, np.ndarray]:
         """Decoded media -> model-ready tensors (runs in the preprocess stage)."""
 
+    def needs_preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
+        """False where decode already did this model's transform and preprocess() is only a
+        copy: the part may skip the preprocess stage (Settings.preprocess_bypass)."""
+        return True
+
     def check_input(self, tensors: dict[str, np.ndarray]) -> None:
         """Raise BadInput unless `tensors` is what config.inputs declares: the same names, dtypes
         and ranks, fixed dimensions equal, variable ones within the largest length bucket,

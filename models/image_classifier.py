@@ -61,9 +61,14 @@ class ImageClassifierSpec(ModelSpec):
         if min(rgb.shape[:2]) < 8:
             raise BadInput(f"image {rgb.shape[1]}x{rgb.shape[0]} is too small to classify")
         chw = torch.from_numpy(rgb).permute(2, 0, 1)
-        if meta.get("center_crop") == self.crop and rgb.shape[:2] == (self.crop, self.crop):
+        if not self.needs_preprocess(tensors, meta):
             return {"pixels": chw.contiguous().numpy()}  # decode already resized and cut it
         return {"pixels": self._transform(chw).contiguous().numpy()}
+
+    def needs_preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
+        rgb = tensors.get("rgb")
+        cut = rgb is not None and rgb.ndim == 3 and rgb.shape[:2] == (self.crop, self.crop)
+        return not (cut and meta.get("center_crop") == self.crop)
 
     def example_input(self) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(0)

@@ -202,6 +202,11 @@ class Settings(BaseSettings):
     # FUSED_PIPELINE): no `decoded` topic hop, no preprocess process. For a host that runs
     # both stages anyway; apart (the default, and compose) each scales on its own.
     fuse_preprocess: bool = False
+    # Apart, decode places the parts it already made model-ready (an image or video frame cut
+    # to the model's crop: preprocess would only copy it) straight onto `ready`, and only the
+    # parts that need the transform (audio windows, text, uncut frames) take the `decoded` hop
+    # (streams/topology.py: BYPASS_PIPELINE). Off, every part goes through preprocess.
+    preprocess_bypass: bool = True
     video_sample_fps: float = Field(1.0, gt=0)
     video_max_frames: int = Field(16, ge=1)
     audio_max_seconds: float = Field(600.0, gt=0)

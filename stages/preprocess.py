@@ -39,8 +39,8 @@ class PreprocessStage(Stage):
         if self._feed is not None:
             self._feed.start()
 
-    def observe_downstream_lag(self, lag: dict[int, int]) -> None:
-        if self.router is None:
+    def observe_downstream_lag(self, stage: str, lag: dict[int, int]) -> None:
+        if self.router is None or stage != "inference":  # `ready`'s lag: what the router places by
             return
         self.router.observe_lag(lag)
         for model in self.router.models:  # the estimate beside what the workers measured

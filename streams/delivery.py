@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from mmpipe.streams.admission import DownstreamAdmission
 from mmpipe.streams.backpressure import PartitionGate
 from mmpipe.streams.failure import FailurePolicy
 from mmpipe.streams.fetch_wait import LagReadSchedule
-from mmpipe.streams.kafka import LagReader, downstream_of, group_id, ssl_context
+from mmpipe.streams.kafka import LagReader, downstreams_of, group_id, ssl_context
 from mmpipe.streams.metrics import StageMonitor, serve_metrics
 from mmpipe.streams.poison import PoisonGuard
 from mmpipe.streams.retry import retry_async
@@ -220,7 +221,7 @@ class StageRuntime:
         )
         self.failures = FailurePolicy(stage.name, self.settings, self.metrics, stage.topics.dead_letter)
         self.sender = Sender(self._produce, self.failures, self.settings)
-        self._downstream = downstream_of(self.settings, stage.name)  # (topics, group) or None
+        self._downstreams = downstreams_of(self.settings, stage.name)  # (stage, topics, group) each
         self.admission = DownstreamAdmission(
             high=self.settings.downstream_lag_high,
             low=self.settings.downstream_lag_low,
@@ -239,7 +240,7 @@ class StageRuntime:
         )
         self.delivery = MessageDelivery(
             stage, self.failures, self.sender, self.poison, self.gate, self.admission,
-            self._downstream[0] if self._downstream is not None else [],
+            [topic for _, topics, _ in self._downstreams for topic in topics],
         )
         self._wakes = wakeup.WakeSender(wakeup.reader_folders(self.settings)) if self.settings.fetch_wakeups else None
         self._lag_reader: LagReader | None = None
@@ -340,18 +341,20 @@ class StageRuntime:
             rows = await self._lag_reader.read(group, self.stage.input_topics)
             self._export_lag(group, rows)
             self.stage.backlog = sum(row.lag for row in rows)
-            downstream_lag = 0
-            if self._downstream is not None:
-                topics, downstream_group = self._downstream
+            # Both lanes of a partition, and every stage fed (decode's bypass feeds two): one
+            # bound on the backlog this stage put in front of the next ones.
+            total: Counter[int] = Counter()
+            for downstream, topics, downstream_group in self._downstreams:
                 rows = await self._lag_reader.read(downstream_group, topics)
                 self._export_lag(downstream_group, rows)
-                lag: dict[int, int] = {}
-                for row in rows:  # both lanes of a partition: one bound on the next stage's backlog
-                    lag[row.partition] = lag.get(row.partition, 0) + row.lag
-                self.stage.observe_downstream_lag(lag)
-                self.admission.update(lag)
-                downstream_lag = sum(lag.values())
-            self._lag_schedule.read(self.stage.backlog + downstream_lag, time.monotonic())
+                lag: Counter[int] = Counter()
+                for row in rows:
+                    lag[row.partition] += row.lag
+                self.stage.observe_downstream_lag(downstream, dict(lag))
+                total.update(lag)
+            if self._downstreams:
+                self.admission.update(dict(total))
+            self._lag_schedule.read(self.stage.backlog + sum(total.values()), time.monotonic())
         except Exception as exc:  # telemetry and throttling must never kill the stage
             log.warning("lag read failed: %r", exc)
 

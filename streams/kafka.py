@@ -31,13 +31,13 @@ def stage_input_topics(settings: Settings, stage: str) -> list[str]:
     return [topic.name(settings.topic_prefix) for topic in stage_spec(stage, settings).inputs]
 
 
-def downstream_of(settings: Settings, stage: str) -> tuple[list[str], str] | None:
-    """(output topics: the output and its high lane, consuming group) of the stage after
-    `stage`; None after the sink."""
-    spec = stage_spec(stage, settings)
-    if spec.output is None or spec.downstream is None:
-        return None
-    return [t.name(settings.topic_prefix) for t in with_lanes(spec.output)], group_id(settings, spec.downstream)
+def downstreams_of(settings: Settings, stage: str) -> list[tuple[str, list[str], str]]:
+    """(next stage, its input topics from `stage`: an output and its high lane, its group) for
+    each stage `stage` feeds; none after the sink."""
+    return [
+        (downstream, [t.name(settings.topic_prefix) for t in with_lanes(topic)], group_id(settings, downstream))
+        for topic, downstream in stage_spec(stage, settings).outputs()
+    ]
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:

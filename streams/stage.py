@@ -113,8 +113,8 @@ class Stage(abc.ABC):
     async def after_send(self, outgoing: list[Outgoing]) -> None:
         """Called once the broker acknowledged every output, before the input is acked."""
 
-    def observe_downstream_lag(self, lag: dict[int, int]) -> None:
-        """The next stage's lag per partition of this stage's output, at each read-out."""
+    def observe_downstream_lag(self, stage: str, lag: dict[int, int]) -> None:
+        """Next stage `stage`'s lag per partition of what this stage feeds it, at each read-out."""
 
     # Helpers for subclasses ------------------------------------------------------------
     def answer_without_work(self, status: str, *, job_id: str, part: int, parts: int, kind: str, modality: str,

@@ -2,8 +2,14 @@
 
     decode ──▶ preprocess ──▶ inference ──▶ sink
 
+By default (Settings.preprocess_bypass) decode places the parts it already made model-ready
+(frames cut to the model's crop, for which preprocess would only copy) straight onto `ready`:
+
+    decode ──▶ preprocess ──▶ inference ──▶ sink
+       └───────(bypass)────────▶┘
+
 or, with decode and preprocess fused into one process (Settings.fuse_preprocess, Ray Data's
-operator fusion: no `decoded` hop; stages/fused.py):
+operator fusion: no `decoded` hop for any part; stages/fused.py):
 
     decode+preprocess ──▶ inference ──▶ sink
 
@@ -32,6 +38,14 @@ class StageSpec:
     slot: int  # metrics port slot: stage `slot` replica j serves on base + PORTS_PER_STAGE*slot + j
     service_step: str  # the mm_service_seconds step that times one item of this stage's work
     default_replicas: int = 1
+    # A second output for parts that need none of `downstream`'s work, and the stage reading it.
+    bypass: TopicSpec | None = None
+    bypass_downstream: str | None = None
+
+    def outputs(self) -> list[tuple[TopicSpec, str]]:
+        """(topic, the stage that reads it) for each topic this stage feeds."""
+        pairs = [(self.output, self.downstream), (self.bypass, self.bypass_downstream)]
+        return [(topic, stage) for topic, stage in pairs if topic is not None and stage is not None]
 
     def load_class(self) -> type[Any]:
         module, _, name = self.entry.partition(":")
@@ -58,18 +72,34 @@ FUSED_PIPELINE: tuple[StageSpec, ...] = (
     *PIPELINE[2:],
 )
 
+# With the bypass, decode hands parts that need no transform to preprocess's placement in its
+# own process (stages/fused.py) and feeds both `decoded` and `ready`.
+BYPASS_PIPELINE: tuple[StageSpec, ...] = (
+    StageSpec("decode", "mmpipe.stages.fused:DecodeAndPreprocessStage", with_lanes(EVENTS), DECODED, "preprocess", 0,
+              "decode", bypass=READY, bypass_downstream="inference"),
+    *PIPELINE[1:],
+)
+
 STAGE_NAMES: tuple[str, ...] = tuple(spec.name for spec in PIPELINE)  # every stage there is
 _BY_NAME = {spec.name: spec for spec in PIPELINE}
-_FUSED_BY_NAME = {spec.name: spec for spec in FUSED_PIPELINE}
 
 
 def pipeline_of(settings: Settings | None) -> tuple[StageSpec, ...]:
-    """The stages these settings run (None: the default topology)."""
-    return FUSED_PIPELINE if settings is not None and settings.fuse_preprocess else PIPELINE
+    """The stages these settings run (None: the default topology, the bypass's)."""
+    if settings is None:
+        return BYPASS_PIPELINE
+    if settings.fuse_preprocess:
+        return FUSED_PIPELINE
+    return BYPASS_PIPELINE if settings.preprocess_bypass else PIPELINE
 
 
 def stage_names(settings: Settings | None) -> tuple[str, ...]:
     return tuple(spec.name for spec in pipeline_of(settings))
+
+
+def places_onto_ready(settings: Settings | None, stage: str) -> bool:
+    """Whether `stage` writes `ready` (and so runs the router that places work onto it)."""
+    return any(topic == READY for topic, _ in stage_spec(stage, settings).outputs())
 
 
 # Given a base port, stage slot i's replica j serves its metrics at base + PORTS_PER_STAGE * i + j.
@@ -88,9 +118,9 @@ class NotRunStage(UnknownStage):
 
 def stage_spec(name: str, settings: Settings | None = None) -> StageSpec:
     """`name`'s spec in the topology these settings run (None: the default one)."""
-    table = _FUSED_BY_NAME if pipeline_of(settings) is FUSED_PIPELINE else _BY_NAME
-    if name in table:
-        return table[name]
+    for spec in pipeline_of(settings):
+        if spec.name == name:
+            return spec
     raise NotRunStage(name) if name in _BY_NAME else UnknownStage(name)
 
 

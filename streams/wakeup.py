@@ -57,7 +57,8 @@ def wake_folder(state_dir: Path, bootstrap: str, topic_prefix: str, stage: str) 
 def listening_folder(settings: Settings, stage: str) -> Path | None:
     """Where `stage`'s consumers listen for wake-ups; None where they poll: wake-ups off, or the
     first stage, whose input comes from outside the pipeline."""
-    if not settings.fetch_wakeups or not any(spec.downstream == stage for spec in pipeline_of(settings)):
+    fed = {downstream for spec in pipeline_of(settings) for _, downstream in spec.outputs()}
+    if not settings.fetch_wakeups or stage not in fed:
         return None
     return wake_folder(settings.state_dir, settings.bootstrap, settings.topic_prefix, stage)
 

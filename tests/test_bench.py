@@ -104,15 +104,15 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
     written = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert written["runs"] and (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
     variants = list(result["efficiency"])
-    assert variants == ["adaptive", "fused"]  # --quick: the default against decode and preprocess fused
+    assert variants == ["adaptive", "no bypass"]  # --quick: the default against every part through preprocess
     assert {run["scenario"] for run in result["runs"]} == {"flood", "poisson"} | {
         f"efficiency {v}{suffix}" for v in variants for suffix in ("", " flood")}
     for name, variant in result["efficiency"].items():
-        fused = variant["settings"]["fuse_preprocess"]  # what tells the variants apart
-        assert fused is (name == "fused")
-        running = {"broker", "decode-0", "inference-0", "sink-0"} | (set() if fused else {"preprocess-0"})
+        bypass = variant["settings"]["preprocess_bypass"]  # what tells the variants apart
+        assert bypass is (name == "adaptive")
+        running = {"broker", "decode-0", "preprocess-0", "inference-0", "sink-0"}
         assert set(variant["idle_ms_per_s"]) == set(variant["saturation"]["cpu"]["per_process_ms"]) == running
-        assert ("decoded" in variant["bytes_per_job"]) is not fused  # fused: no decoded hop
+        assert ("decoded" in variant["bytes_per_job"]) is not bypass  # image crops skip the decoded hop
         assert variant["model_probe"]["items_per_s"] > 0 and variant["model_probe"]["vs_start"] > 0
         cpu = variant["saturation"]["cpu"]
         assert cpu["total_ms"] == pytest.approx(sum(cpu["per_process_ms"].values()), abs=0.5)
@@ -332,9 +332,9 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
     from mmpipe.schemas.settings import load_settings
 
     settings = load_settings().model_copy(update={"fetch_wakeups": True, "consumer_in_thread": False, "decode_center_crop": True,
-                                                  "fuse_preprocess": False})
+                                                  "fuse_preprocess": False, "preprocess_bypass": True})
     variants = efficiency.variants(settings)
-    assert list(variants) == ["adaptive", "consumer thread", "no wake-ups", "whole frames", "fused", "polling"]
+    assert list(variants) == ["adaptive", "consumer thread", "no wake-ups", "whole frames", "no bypass", "fused", "polling"]
     keys = set(variants["polling"])
     assert all(set(o) == keys for o in variants.values())  # each applies alone, whatever ran before
     assert variants["adaptive"] == {k: getattr(settings, k) for k in keys}  # this build's own settings
@@ -342,6 +342,7 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
     assert variants["no wake-ups"]["fetch_wakeups"] is False and variants["no wake-ups"]["consumer_in_thread"] is False
     assert variants["polling"]["consumer_in_thread"] is True
     assert variants["whole frames"] == variants["adaptive"] | {"decode_center_crop": False}
+    assert variants["no bypass"] == variants["adaptive"] | {"preprocess_bypass": False}
     assert variants["fused"] == variants["adaptive"] | {"fuse_preprocess": True}
     subset = efficiency.variants(settings, only=("whole frames",))
     assert subset == {"adaptive": {"decode_center_crop": True}, "whole frames": {"decode_center_crop": False}}
@@ -378,3 +379,4 @@ def test_efficiency_rounds_are_averaged_leaf_by_leaf_and_kept():
     assert merged["saturation"]["cpu"]["per_process_ms"] == {"broker": 7.5, "sink-0": 4.5}
     assert merged["settings"] == {"fetch_wakeups": True, "model_cpus": [1]}  # not numbers: the first round's
     assert merged["rounds"] == [one, two]
+

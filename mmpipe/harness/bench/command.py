@@ -12,7 +12,7 @@ import typer
 
 
 def bench(
-    quick: bool = typer.Option(False, "--quick", help="a shorter run: off/static/dynamic at 70% load, and the efficiency scenario with 'fused' beside 'adaptive'"),
+    quick: bool = typer.Option(False, "--quick", help="a shorter run: off/static/dynamic at 70% load, and the efficiency scenario with 'no bypass' beside 'adaptive'"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N (model alone and inference stage alike)"),
     seed: int = typer.Option(42, help="seed of every arrival schedule and of the simulation"),
     rate: Optional[float] = typer.Option(None, help="jobs/s of the 70%-load runs (default: 0.7 x measured saturation)"),
@@ -31,8 +31,8 @@ def bench(
     efficiency_rounds: int = typer.Option(2, help="efficiency: rounds of the settings variants in ABBA order, each "
                                                   "on fresh topics; the figures are the mean of the rounds"),
     efficiency_variants: str = typer.Option("", help="efficiency: a comma-separated subset of the variants to run beside "
-                                                     "'adaptive' (consumer thread, no wake-ups, whole frames, fused, polling); "
-                                                     "empty: all (--quick: fused)"),
+                                                     "'adaptive' (consumer thread, no wake-ups, whole frames, no bypass, fused, "
+                                                     "polling); empty: all (--quick: no bypass)"),
     priority_seconds: Optional[float] = typer.Option(None, help="priority: seconds of Poisson arrivals per run (default 30; "
                                                               "--quick 15); longer runs give the high jobs' p99 more jobs"),
     speech_clips: Optional[int] = typer.Option(None, help="speech: espeak-ng clips of 1-25 s (default 48; --quick 6)"),

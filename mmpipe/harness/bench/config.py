@@ -111,7 +111,7 @@ class BenchConfig:
             mixed_s=10.0,
             degraded_s=10.0,
             priority_s=15.0,
-            efficiency_variants=("fused",),  # adaptive against the live question, not the history
+            efficiency_variants=("no bypass",),  # adaptive against the live question, not the history
             result_timeout_s=180.0,
             speech_clips=6,
         )

@@ -41,8 +41,10 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
     Where it runs each consumer on the stage's loop (streams/transport.py), "consumer thread"
     is the same on faust's consumer thread; where it uses wake-ups between stages
     (streams/wakeup.py), "no wake-ups" is the same polling; where decode cuts frames to the
-    model's centre crop, "whole frames" sends them whole; where decode and preprocess run
-    apart, "fused" runs them as one process (no `decoded` hop); "polling" is the settings before
+    model's centre crop, "whole frames" sends them whole; where decode places the parts it
+    already made model-ready onto `ready` itself, "no bypass" sends every part through
+    preprocess; where decode and preprocess run apart, "fused" runs them as one process (no
+    `decoded` hop); "polling" is the settings before
     this work: no wake-ups, no idle back-off, lag read twice a second, no pinning, the
     consumer on its own thread. (The pinning's own share was measured with an "unpinned"
     variant: README, Efficiency.) `only`: just these variants (always with "adaptive")."""
@@ -53,6 +55,8 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
         out["no wake-ups"] = {"fetch_wakeups": False}
     if settings.decode_center_crop:
         out["whole frames"] = {"decode_center_crop": False}
+    if settings.preprocess_bypass and not settings.fuse_preprocess:
+        out["no bypass"] = {"preprocess_bypass": False}
     if not settings.fuse_preprocess:
         out["fused"] = {"fuse_preprocess": True}
     out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": [],

@@ -32,7 +32,7 @@ from mmpipe.stages.sink.store.sqlite import sqlite_path
 from mmpipe.report import scrape
 from mmpipe.streams import affinity
 from mmpipe.streams.kafka import ensure_topics
-from mmpipe.streams.topology import metrics_port, pipeline_of
+from mmpipe.streams.topology import metrics_port, pipeline_of, places_onto_ready
 from mmpipe.supervisor import Pipeline, tail
 from mmpipe.schemas import JobResult
 from mmpipe.schemas.events import HIGH_PRIORITY
@@ -160,8 +160,8 @@ class BenchPipeline:
             restart.add("preprocess")  # it runs the router
         if topology.lanes != self.topology.lanes:
             restart |= {"decode", "preprocess"}  # they publish into the lanes
-        if self.pipeline.settings.fuse_preprocess and "preprocess" in restart:
-            restart.add("decode")  # preprocess runs inside decode
+        if "preprocess" in restart and places_onto_ready(self.pipeline.settings, "decode"):
+            restart.add("decode")  # preprocess's placement runs inside decode (fused, bypass)
         kept = {stage: sum(1 for p in self.pipeline.processes if p.stage == stage) for stage in ("decode", "preprocess")}
         for proc in [p for p in self.pipeline.processes if p.stage in restart]:
             if proc.alive():
@@ -351,11 +351,12 @@ class BenchPipeline:
 
     def routing_counts(self) -> RoutingCounts:
         """The routers' decisions per ready partition and preferred-partition flips so far,
-        summed over the preprocess replicas."""
+        summed over the processes that place onto `ready` (preprocess, and decode where it
+        runs preprocess's placement: fused, bypass)."""
         counts = RoutingCounts()
         for p in self.pipeline.processes:
-            if p.stage == "preprocess" and self.metrics_base_port:
-                counts.add(scrape(self._metrics_url("preprocess", p.index), SCRAPE_TIMEOUT_S) or "")
+            if places_onto_ready(self.pipeline.settings, p.stage) and self.metrics_base_port:
+                counts.add(scrape(self._metrics_url(p.stage, p.index), SCRAPE_TIMEOUT_S) or "")
         return counts
 
     def _flushes(self) -> dict[str, dict[str, float]]:
