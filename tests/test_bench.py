@@ -5,8 +5,10 @@ together. What it measures is not asserted (that is the benchmark's job, on a qu
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from mmpipe.harness.bench import simulate, traffic
@@ -380,3 +382,35 @@ def test_efficiency_rounds_are_averaged_leaf_by_leaf_and_kept():
     assert merged["settings"] == {"fetch_wakeups": True, "model_cpus": [1]}  # not numbers: the first round's
     assert merged["rounds"] == [one, two]
 
+
+def test_a_stage_s_cpu_includes_its_worker_processes_and_the_ones_it_reaped():
+    """Decode decodes in worker processes: the bench bills their CPU to the stage, live or
+    recycled, and never to a process watched without its children."""
+    import subprocess
+    import sys
+
+    from mmpipe.harness.bench.resources import ResourceSampler
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys\n"
+        f"live = subprocess.Popen([sys.executable, '-c', {burn + 'time.sleep(30)'!r}])\n"
+        f"subprocess.run([sys.executable, '-c', {burn!r}])\n"  # reaped: in children_* from here on
+        "sys.stdout.write('ready\\n'); sys.stdout.flush(); live.wait()\n")], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline() == b"ready\n"
+        sampler = ResourceSampler()
+        sampler.watch("tree", parent.pid, with_children=True)
+        sampler.watch("alone", parent.pid)
+        # The live child may still be burning its 0.4 s: wait until both children's time shows.
+        deadline = time.monotonic() + 10
+        while sampler._cpu["tree"] - sampler._cpu["alone"] < 0.75 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            sampler._sample()
+        assert sampler._cpu["tree"] - sampler._cpu["alone"] >= 0.75  # two children of 0.4 s each
+        assert sampler._cpu["alone"] < 0.4  # the parent itself only waits
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()

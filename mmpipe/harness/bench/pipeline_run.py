@@ -233,7 +233,7 @@ class BenchPipeline:
     def _watch_all(self) -> None:
         for proc in self.pipeline.processes:
             if proc.alive():
-                self.sampler.watch(proc.name, proc.process.pid)
+                self.sampler.watch(proc.name, proc.process.pid, with_children=True)  # decode's workers
 
     # Runs ----------------------------------------------------------------------------------
     def run(self, schedule: list[Arrival], workload: Workload, tag: str, timeout_s: float, outstanding: int = 0) -> RunData:

@@ -42,6 +42,7 @@ class ResourceSampler:
         self.interval_s = interval_s
         self.gpu = gpu and shutil.which("nvidia-smi") is not None
         self._procs: dict[str, psutil.Process] = {}
+        self._trees: set[str] = set()  # names whose child processes count as theirs
         self._cpu: dict[str, float] = {}  # last CPU seconds seen per name (windows never span a restart)
         self.peak_rss: dict[str, int] = {}
         self.gpu_mem_peak_mib = 0.0
@@ -52,18 +53,25 @@ class ResourceSampler:
         self._last_gpu = 0.0
 
     # Processes ------------------------------------------------------------------------------
-    def watch(self, name: str, pid: int) -> None:
-        """Follow a process under a stable name; a restarted stage keeps its name."""
+    def watch(self, name: str, pid: int, with_children: bool = False) -> None:
+        """Follow a process under a stable name; a restarted stage keeps its name. With
+        `with_children`, its CPU includes its child processes' (a stage's: decode's worker
+        processes do its decoding), never for one whose children are watched on their own."""
         with self._lock:
             try:
                 self._procs[name] = psutil.Process(pid)
             except psutil.NoSuchProcess:
                 return
+            if with_children:
+                self._trees.add(name)
+            else:
+                self._trees.discard(name)
         self._sample()
 
     def unwatch(self, name: str) -> None:
         with self._lock:
             self._procs.pop(name, None)
+            self._trees.discard(name)
 
     def start(self) -> ResourceSampler:
         self._thread.start()
@@ -111,13 +119,13 @@ class ResourceSampler:
 
     def _sample(self) -> None:
         with self._lock:
-            procs = list(self._procs.items())
+            procs = [(name, proc, name in self._trees) for name, proc in self._procs.items()]
         readings = {}
-        for name, proc in procs:
+        for name, proc, tree in procs:
             try:
                 with proc.oneshot():
-                    times = proc.cpu_times()
-                    readings[name] = (times.user + times.system, proc.memory_info().rss)
+                    cpu = _tree_cpu_s(proc) if tree else sum(proc.cpu_times()[:2])
+                    readings[name] = (cpu, proc.memory_info().rss)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         gpu = self._gpu_reading()
@@ -147,6 +155,20 @@ class ResourceSampler:
             return util, mem
         except (OSError, subprocess.SubprocessError, ValueError):
             return None
+
+
+def _tree_cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds of a process and its descendants: its own, those of the children it reaped
+    (children_*: a recycled decode worker), and each live descendant's likewise. A child's time
+    moves from its own count to its parent's children_* when reaped, so nothing counts twice."""
+    total = 0.0
+    for member in (proc, *proc.children(recursive=True)):
+        try:
+            times = member.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue  # gone between the listing and the reading: its parent reaps it
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
 
 
 def _busy_cores(before: Any, after: Any, wall: float) -> float:
