@@ -5,11 +5,17 @@ anywhere below them (inclusive time). Idle threads are left out by py-spy's own 
 still counts a thread just woken in epoll as active: the shares overstate event-loop waiting
 and are not CPU time (the CPU ms per job beside each table are, from /proc).
 
+With `--gil` py-spy samples only the thread holding the GIL: the shares are then of the time the
+process runs Python (its own code and the libraries'), and the samples per second say how much
+of a core that is; CPU that releases the GIL (socket writes, pickling pipes, native decoders,
+the kernel) is left out. Beside each table: user and system CPU ms per job from /proc, the
+process and its children together (decode's PyAV workers), and the process alone.
+
 Read it to find what to cut; measure a cut with `mmpipe bench --scenario efficiency`, not here
 (py-spy's sampling costs each process a little CPU of its own).
 
     pip install py-spy   # not a project dependency
-    .venv/bin/python benchmarks/profile_stages.py [--jobs 300] [--outstanding 32] [--top 12]
+    .venv/bin/python benchmarks/profile_stages.py [--jobs 300] [--outstanding 32] [--top 12] [--gil]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -68,12 +75,35 @@ def summarise(stacks: list[tuple[list[str], int]]) -> tuple[int, collections.Cou
     return total, self_time, inclusive
 
 
-def print_process(console: Console, name: str, path: Path, top: int, cpu_ms_per_job: float) -> None:
+def cpu_times(pid: int) -> dict[str, float]:
+    """User and system CPU seconds of a process, alone and with its children (live and reaped)."""
+    proc = psutil.Process(pid)
+    own = proc.cpu_times()
+    times = {"user": own.user, "system": own.system, "tree_user": own.user + own.children_user,
+             "tree_system": own.system + own.children_system}
+    for child in proc.children(recursive=True):
+        try:
+            child_times = child.cpu_times()
+        except psutil.Error:  # gone meanwhile: its time is in children_* once reaped
+            continue
+        times["tree_user"] += child_times.user
+        times["tree_system"] += child_times.system
+    return times
+
+
+def split_line(before: dict[str, float], after: dict[str, float], jobs: int) -> str:
+    ms = {key: 1000 * (after[key] - before[key]) / jobs for key in after}
+    return (f"user / system CPU ms per job: {ms['tree_user']:.1f} / {ms['tree_system']:.1f} with children, "
+            f"{ms['user']:.1f} / {ms['system']:.1f} the process alone")
+
+
+def print_process(console: Console, name: str, path: Path, top: int, cpu_ms_per_job: float,
+                  what: str = "samples of active threads", split: str = "") -> None:
     total, self_time, inclusive = summarise(parse_collapsed(path))
     if not total:
         console.print(f"{name}: no samples")
         return
-    table = Table(title=f"{name}: {total} samples of active threads, {cpu_ms_per_job:.1f} CPU ms per job")
+    table = Table(title=f"{name}: {total} {what}, {cpu_ms_per_job:.1f} CPU ms per job" + (f"\n{split}" if split else ""))
     table.add_column("self %", justify="right")
     table.add_column("leaf function")
     table.add_column("incl %", justify="right")
@@ -94,6 +124,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (Python CPU)")
     parser.add_argument("--samples", type=Path, help="print the tables of an earlier run's folder of samples instead")
     args = parser.parse_args()
     if args.samples:
@@ -118,11 +149,13 @@ def main() -> None:
         targets = {p.name: p.process.pid for p in bench.pipeline.processes if p.alive()}
         spies = {name: subprocess.Popen(
             [py_spy, "record", "-p", str(pid), "-r", str(args.rate), "-f", "raw", "-o", str(workdir / f"{name}.txt"),
-             "--threads", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--threads", "--nonblocking", *(["--gil"] if args.gil else [])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, pid in targets.items()}
         time.sleep(2)  # py-spy attached
+        before = {name: cpu_times(pid) for name, pid in targets.items()}
         data = bench.run(traffic.flood(args.jobs, "image", args.seed), work, "flood", timeout_s=300,
                          outstanding=args.outstanding)
+        after = {name: cpu_times(pid) for name, pid in targets.items()}
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
         for spy in spies.values():
@@ -133,9 +166,11 @@ def main() -> None:
     wall = data.resources["wall_s"]
     ok = sum(1 for r in data.results if r.status == "ok")
     console.print(f"flood: {ok}/{data.published} ok in {wall:.1f} s ({data.published / wall:.1f} jobs/s)")
+    what = f"samples holding the GIL at {args.rate}/s" if args.gil else "samples of active threads"
     for name in sorted(targets):
         cores = data.resources["cpu_cores"].get(name, 0.0)
-        print_process(console, name, workdir / f"{name}.txt", args.top, 1000 * cores * wall / data.published)
+        print_process(console, name, workdir / f"{name}.txt", args.top, 1000 * cores * wall / data.published,
+                      what, split_line(before[name], after[name], data.published))
 
 
 if __name__ == "__main__":

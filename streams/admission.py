@@ -58,6 +58,7 @@ class DownstreamAdmission:
         # (topic, partition, offset) of those messages: a stage reads two lanes, whose offsets
         # are independent, so a partition and an offset alone name two messages at times.
         self._reserved: set[tuple[str, int, int]] = set()
+        self._told: dict[tuple[str, int], bool] = {}  # (topic, partition) -> last hold told the gate
 
     @property
     def known(self) -> bool:
@@ -67,7 +68,7 @@ class DownstreamAdmission:
     def update(self, lag_by_partition: dict[int, int]) -> None:
         """A fresh read-out of the next stage's lag: replaces the estimate."""
         self._lag = dict(lag_by_partition)
-        self.hold_or_release()
+        self.hold_or_release(reassert=True)
 
     def count_sent(self, partitions: Iterable[int]) -> None:
         """Outputs the broker acknowledged on the downstream topic since the last read-out."""
@@ -118,11 +119,20 @@ class DownstreamAdmission:
         if self._lag:
             self.hold_or_release()
 
-    def hold_or_release(self) -> None:
+    def hold_or_release(self, reassert: bool = False) -> None:
+        """Tell the gate which partitions to hold. After each message only a change is told (the
+        gate's pause and its metrics cost more than the message's own bookkeeping); each read-out
+        tells every hold again, since faust resumes all partitions after a rebalance's recovery."""
         shedding = self._shedding()
         for tp in self._assigned():
             lag = self.lag_at(tp.partition)
             if shedding or lag <= self.low:
-                self.gate.hold_for_downstream([tp], full=False)
+                full = False
             elif lag > self.high:
-                self.gate.hold_for_downstream([tp], full=True)
+                full = True
+            else:
+                continue  # between low and high: as it was (hysteresis)
+            key = (tp.topic, tp.partition)
+            if reassert or self._told.get(key) is not full:
+                self._told[key] = full
+                self.gate.hold_for_downstream([tp], full=full)

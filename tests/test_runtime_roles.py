@@ -201,10 +201,12 @@ async def test_sender_retries_a_faust_wrapped_queueing_timeout():
 class FakeGate:
     def __init__(self) -> None:
         self.held: dict[int, bool] = {}
+        self.told = 0  # hold_for_downstream calls, one per partition told
 
     def hold_for_downstream(self, tps, full: bool) -> None:
         for tp in tps:
             self.held[tp.partition] = full
+            self.told += 1
 
 
 def admission(shedding: bool = False, high: int = 4, low: int = 1) -> tuple[DownstreamAdmission, FakeGate, FakeSleep]:
@@ -233,6 +235,25 @@ def test_a_partition_is_held_above_high_and_released_at_low_with_hysteresis():
     assert gate.held[0] is True
     adm.update({0: 1, 1: 0})
     assert gate.held[0] is False
+
+
+def test_messages_tell_the_gate_only_changes_and_a_read_out_tells_every_hold_again():
+    """The gate's pause and metrics cost more than a message's own bookkeeping, so a message
+    that changes no decision tells the gate nothing; a read-out repeats every hold, since faust
+    resumes all partitions after a rebalance's recovery."""
+    adm, gate, _ = admission(high=4, low=1)
+    adm.update({0: 9, 1: 0})
+    assert gate.held == {0: True, 1: False} and gate.told == 2
+    for _ in range(5):
+        adm.count_sent([0])
+        adm.refresh()
+    assert gate.told == 2  # partition 0 stayed held, partition 1 free
+    adm.update({0: 9, 1: 0})
+    assert gate.told == 4  # the read-out told both again
+    adm.update({0: 0, 1: 0})
+    adm.count_sent([1])
+    adm.refresh()
+    assert gate.held == {0: False, 1: False} and gate.told == 6
 
 
 async def test_admission_waits_for_room_and_reserves_it():
