@@ -40,6 +40,9 @@ class DecodeAndPreprocessStage(DecodeStage):
         super().__init__(settings, metrics)
         self.preprocess = PreprocessStage(settings, metrics)
         self.fused = settings.fuse_preprocess
+        # Bypassed, only frames decode already cut come here, whose transform is a copy: loading
+        # every model's tokenizer and audio front end would only add to decode's memory (~90 MB).
+        self.preprocess.warms_every_model = self.fused
 
     def setup(self) -> None:
         super().setup()

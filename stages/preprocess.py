@@ -23,14 +23,16 @@ from mmpipe.streams.worker_state import WorkerStateFeed
 
 class PreprocessStage(Stage):
     name = "preprocess"
+    warms_every_model = True  # off where only copy-only parts come (decode's bypass: stages/fused.py)
 
     def setup(self) -> None:
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
         self._pool = PriorityExecutor(self.settings.inference_workers, "preprocess", self.settings.scheduling.aging_s,
                                       time.monotonic)
-        for spec in all_specs().values():
-            spec.example_input()  # first-call costs (lazy imports, tokenizer load) paid here
+        if self.warms_every_model:
+            for spec in all_specs().values():
+                spec.example_input()  # first-call costs (lazy imports, tokenizer load) paid here
         # Placement onto `ready`: routed by expected wait, or (off) the job ID's hash partition.
         self.router = Router(self.settings.scheduling, time.time) if self.settings.scheduling.routing else None
         self._feed = WorkerStateFeed(self.settings, self.router.observe_worker, self.router.forget_worker) if self.router else None
