@@ -3,8 +3,9 @@ out, the admission's count of what was sent, and its re-decision of which input 
 hold, as MessageDelivery runs them for every message (streams/delivery.py), with real
 prometheus gauges and four assigned partitions. Two states: the next stage keeping up (nothing
 held) and lagging (every partition held), with a read-out of the next stage's lag every
-`--per-read-out` messages (the lag interval, 0.5 s, at 20 jobs/s: 10). The gate's pause callback is a counter here, so the
-consumer's own pause work (faust and aiokafka) is not in the times, only in the pause count.
+`--per-read-out` messages (the lag interval, 0.5 s, at 20 jobs/s: 10). The gate's pause
+callback is a counter here, so the consumer's own pause work (faust and aiokafka) is not in the
+times, only in the pause count.
 
     .venv/bin/python benchmarks/admission_cost.py [--messages 20000] [--compare-with TREE]
 
@@ -40,7 +41,6 @@ def measure(messages: int, lag: int, per_read_out: int) -> dict[str, float]:
                          resume=lambda tps: None, metrics=StageMetrics("decode", CollectorRegistry()))
     admission = DownstreamAdmission(high=16, low=8, aging_s=1.0, gate=gate, assigned=lambda: PARTITIONS,
                                     shedding=lambda: False)
-    pauses[0] = 0
 
     async def one_message_at_a_time() -> float:
         started = time.perf_counter()

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from mmpipe.harness.bench import traffic
 from mmpipe.harness.bench.pipeline_run import BenchPipeline, Policy
-from mmpipe.harness.bench.resources import ResourceSampler
+from mmpipe.harness.bench.resources import ResourceSampler, tree_cpu_times
 from mmpipe.harness.bench.workload import Workload
 from mmpipe.schemas.settings import load_settings
 from mmpipe.streams.broker import free_port_block
@@ -76,19 +76,11 @@ def summarise(stacks: list[tuple[list[str], int]]) -> tuple[int, collections.Cou
 
 
 def cpu_times(pid: int) -> dict[str, float]:
-    """User and system CPU seconds of a process, alone and with its children (live and reaped)."""
+    """User and system CPU seconds of a process, alone and with its descendants."""
     proc = psutil.Process(pid)
     own = proc.cpu_times()
-    times = {"user": own.user, "system": own.system, "tree_user": own.user + own.children_user,
-             "tree_system": own.system + own.children_system}
-    for child in proc.children(recursive=True):
-        try:
-            child_times = child.cpu_times()
-        except psutil.Error:  # gone meanwhile: its time is in children_* once reaped
-            continue
-        times["tree_user"] += child_times.user
-        times["tree_system"] += child_times.system
-    return times
+    tree_user, tree_system = tree_cpu_times(proc)
+    return {"user": own.user, "system": own.system, "tree_user": tree_user, "tree_system": tree_system}
 
 
 def split_line(before: dict[str, float], after: dict[str, float], jobs: int) -> str:

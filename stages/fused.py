@@ -41,7 +41,7 @@ class DecodeAndPreprocessStage(DecodeStage):
         self.preprocess = PreprocessStage(settings, metrics)
         self.fused = settings.fuse_preprocess
         # Bypassed, only frames decode already cut come here, whose transform is a copy: loading
-        # every model's tokenizer and audio front end would only add to decode's memory (~90 MB).
+        # every model's tokenizer and audio front end would only add to decode's memory (84 MiB).
         self.preprocess.warms_every_model = self.fused
 
     def setup(self) -> None:

@@ -64,7 +64,10 @@ class PartitionGate:
         self.peak_total = 0
         self._has_space = asyncio.Event()
         self._has_space.set()
-        self._labelled: dict[TPLike, tuple[Any, Any, Any]] = {}
+        # Labelled gauges, looked up once: a labels() call costs more than the rest of a
+        # message's bookkeeping here, and _publish runs several times per message.
+        self._total_gauge: Any = metrics.inflight.labels(metrics.stage) if metrics else None
+        self._labelled: dict[TPLike, tuple[Any, Any]] = {}
 
     async def acquire(self, tp: TPLike) -> None:
         """Count one item of `tp` in flight; wait while the process-wide cap is reached."""
@@ -132,22 +135,18 @@ class PartitionGate:
     def _publish(self, tp: TPLike) -> None:
         if self._metrics is None:
             return
-        total, inflight, paused = self._gauges(tp)
-        total.set(self.total)
+        self._total_gauge.set(self.total)
+        inflight, paused = self._partition_gauges(tp)
         inflight.set(self.inflight.get(tp, 0))
         paused.set(1 if self.reasons.get(tp) else 0)
 
-    def _gauges(self, tp: TPLike) -> tuple[Any, Any, Any]:
-        """The labelled gauges of `tp`, looked up once: a labels() call costs more than the
-        rest of a message's bookkeeping here, and this runs several times per message."""
+    def _partition_gauges(self, tp: TPLike) -> tuple[Any, Any]:
         gauges = self._labelled.get(tp)
         if gauges is None:
-            metrics = self._metrics
-            assert metrics is not None
-            stage, topic, partition = metrics.stage, tp[0], str(tp[1])
+            assert self._metrics is not None
+            labels = (self._metrics.stage, tp[0], str(tp[1]))
             gauges = self._labelled[tp] = (
-                metrics.inflight.labels(stage),
-                metrics.partition_inflight.labels(stage, topic, partition),
-                metrics.partition_paused.labels(stage, topic, partition),
+                self._metrics.partition_inflight.labels(*labels),
+                self._metrics.partition_paused.labels(*labels),
             )
         return gauges

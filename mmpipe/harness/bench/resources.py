@@ -158,17 +158,23 @@ class ResourceSampler:
 
 
 def _tree_cpu_s(proc: psutil.Process) -> float:
-    """CPU seconds of a process and its descendants: its own, those of the children it reaped
-    (children_*: a recycled decode worker), and each live descendant's likewise. A child's time
-    moves from its own count to its parent's children_* when reaped, so nothing counts twice."""
-    total = 0.0
+    return sum(tree_cpu_times(proc))
+
+
+def tree_cpu_times(proc: psutil.Process) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process and its descendants: its own, those of the
+    children it reaped (children_*: a recycled decode worker), and each live descendant's
+    likewise. A child's time moves from its own count to its parent's children_* when reaped,
+    so nothing counts twice."""
+    user = system = 0.0
     for member in (proc, *proc.children(recursive=True)):
         try:
             times = member.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue  # gone between the listing and the reading: its parent reaps it
-        total += times.user + times.system + times.children_user + times.children_system
-    return total
+        user += times.user + times.children_user
+        system += times.system + times.children_system
+    return user, system
 
 
 def _busy_cores(before: Any, after: Any, wall: float) -> float:
