@@ -60,10 +60,10 @@ class ImageClassifierSpec(ModelSpec):
             raise BadInput(f"{self.arch} wants an HxWx3 uint8 image, got {shape}")
         if min(rgb.shape[:2]) < 8:
             raise BadInput(f"image {rgb.shape[1]}x{rgb.shape[0]} is too small to classify")
-        chw = torch.from_numpy(rgb).permute(2, 0, 1)
         if not self.needs_preprocess(tensors, meta):
-            return {"pixels": chw.contiguous().numpy()}  # decode already resized and cut it
-        return {"pixels": self._transform(chw).contiguous().numpy()}
+            # Decode already resized and cut it: only HWC -> CHW (numpy's copy: half torch's).
+            return {"pixels": np.ascontiguousarray(rgb.transpose(2, 0, 1))}
+        return {"pixels": self._transform(torch.from_numpy(rgb).permute(2, 0, 1)).contiguous().numpy()}
 
     def needs_preprocess(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
         rgb = tensors.get("rgb")

@@ -23,12 +23,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from mmpipe.models.base import ModelError
-from mmpipe.models.registry import get_spec
 from mmpipe.schemas import WorkItem
 from mmpipe.schemas.settings import Settings
 from mmpipe.stages.decode.stage import DecodeStage
-from mmpipe.stages.preprocess import PreprocessStage
+from mmpipe.stages.preprocess import PreprocessStage, needs_preprocess
 from mmpipe.streams.metrics import StageMetrics
 from mmpipe.streams.stage import Outgoing
 
@@ -70,11 +68,3 @@ class DecodeAndPreprocessStage(DecodeStage):
         prepared = await asyncio.gather(*(self.preprocess.prepare(item, handed_on, key) for item in here))
         return [out for outs in prepared for out in outs] + await super().forward(there, key)
 
-
-def needs_preprocess(item: WorkItem) -> bool:
-    """Whether the part needs the preprocess stage's transform (an unknown model: preprocess
-    answers for it, as without the bypass)."""
-    try:
-        return get_spec(item.model).needs_preprocess(item.tensors, item.meta)
-    except ModelError:
-        return True

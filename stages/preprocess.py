@@ -2,7 +2,9 @@
 
 Applies the model's own transform to each decoded part (torchvision resize / crop / normalise
 for frames, torchaudio resampling for audio, tokenisation for text) on a worker thread, so the
-inference stage receives model-ready tensors and spends its time on the accelerator.
+inference stage receives model-ready tensors and spends its time on the accelerator. A part
+that only needs a copy (a frame decode already cut to the model's crop) is copied in place: the
+hand-off to a thread and back costs more than the copy.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ class PreprocessStage(Stage):
         if item.part == 0:
             self.report_status(item.job_id, "preprocessing", started)
         try:
-            ready = await self._pool.run(item.priority, self._preprocess, item)
+            if needs_preprocess(item):
+                ready = await self._pool.run(item.priority, self._preprocess, item)
+            else:  # a copy (decode already cut the frame): cheaper here than a hand-off to a thread
+                ready = self._preprocess(item)
         except BadMessage as exc:
             if item.parts == 1:
                 raise
@@ -105,3 +110,12 @@ class PreprocessStage(Stage):
             raise BadMessage("unknown_model", str(exc)) from None
         item.meta.pop("text", None)  # tokenised now; the text itself need not travel further
         return item
+
+
+def needs_preprocess(item: WorkItem) -> bool:
+    """Whether the part needs the model's transform, not merely a copy (an unknown model: the
+    transform answers for it)."""
+    try:
+        return get_spec(item.model).needs_preprocess(item.tensors, item.meta)
+    except ModelError:
+        return True
