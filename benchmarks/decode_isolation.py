@@ -1,4 +1,4 @@
-"""What decoding in isolated worker processes (stages/decode/isolation.py: spawned pebble
+"""What decoding in isolated worker processes (stages/decode/isolation.py: spawned
 workers under RLIMIT_AS, a time budget per decode) costs per job against decoding in the
 stage's own thread, for the pipeline's typical inputs, measured in one run; then the hostile
 corpus through the pool, with the workers' peak RSS.

@@ -43,8 +43,7 @@ def worker_rss_mib() -> list[int]:
 
 
 async def run(tasks_per_worker: int, decodes: int, items: list[tuple[str, bytes]]) -> dict[str, float | list[int]]:
-    isolation.TASKS_PER_WORKER = tasks_per_worker
-    pool = isolation.DecodePool(1, 1 << 30, 30.0)
+    pool = isolation.DecodePool(1, 1 << 30, 30.0, tasks_per_worker=tasks_per_worker)
     limits = DecodeLimits()
     await pool.decode(*items[0], limits)  # the first worker's start is not billed
     cpu0, wall0 = children_cpu_s(), time.perf_counter()
