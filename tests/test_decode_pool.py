@@ -17,6 +17,7 @@ import pytest
 from mmpipe.stages.decode import samples
 from mmpipe.stages.decode.isolation import PIPE_BYTES, DecodePool
 from mmpipe.stages.decode.media import DecodeLimits, MediaError
+from mmpipe.streams.stage import DependencyUnavailable
 
 MIB = 1024**2
 
@@ -100,9 +101,11 @@ def test_a_cancelled_caller_leaves_a_working_pool_and_no_busy_worker(pool):
     assert asyncio.run(pool.run(sum, [1, 2, 3])) == 6
 
 
-def test_close_leaves_no_worker_process():
+def test_close_leaves_no_worker_process_and_refuses_no_job():
     pool = DecodePool(2, 512 * MIB, timeout_s=10.0)
     pool.warm_up(DecodeLimits(video_max_frames=1))
     assert len(_worker_pids()) == 2
     pool.close()
     assert _worker_pids() == set()
+    with pytest.raises(DependencyUnavailable):  # a stopping stage leaves the job for redelivery
+        asyncio.run(pool.run(os.getpid))

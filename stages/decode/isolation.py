@@ -271,8 +271,10 @@ class DecodePool:
 
     async def _take(self) -> _Worker:
         """An idle worker, or wait (first come, first served) for one to come back."""
-        if self._closed:
-            raise MediaError("decode_unavailable", "the decode pool is closed")
+        if self._closed:  # the stage is stopping: not the input's fault, and not answered
+            from mmpipe.streams.stage import DependencyUnavailable  # here: workers import this module too
+
+            raise DependencyUnavailable("the decode pool is closed")
         if self._idle and not self._waiting:
             return self._idle.pop()
         slot: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
@@ -320,8 +322,14 @@ class DecodePool:
             if not size:  # the worker closed its end: it is dying or dead
                 worker.process.join(0.5)
                 fail(_Died(worker.process.exitcode))
-            elif (outcome := worker.take_answer(memoryview(worker.inbox)[:size])) is not _INCOMPLETE:
-                answer.set_result(outcome)
+            else:
+                try:
+                    outcome = worker.take_answer(memoryview(worker.inbox)[:size])
+                except Exception as exc:  # noqa: BLE001 (an answer that does not unpickle)
+                    fail(exc)
+                    return
+                if outcome is not _INCOMPLETE:
+                    answer.set_result(outcome)
 
         loop.add_reader(results_fd, readable)
         timer = loop.call_later(self.timeout_s, fail, _Overran())
