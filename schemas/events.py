@@ -61,7 +61,8 @@ class ModelRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """Exactly one of: inline bytes (base64 in JSON), inline text, or a URI to a local file."""
+    """Exactly one of: inline bytes (base64 in JSON; raw after the header in the envelope that
+    codec.encode_event writes), inline text, or a URI to a local file."""
 
     data: bytes | None = None  # msgspec encodes bytes as base64 in JSON
     text: str | None = None
