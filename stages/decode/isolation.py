@@ -13,8 +13,8 @@ specs) into every worker's address space, and the limit is meant for the decoder
 The pool lives on the caller's event loop: each worker has a pipe each way, written and read
 without blocking by the loop itself (length-prefixed pickles), and a loop timer enforces the
 budget. No threads: a pool with manager threads (pebble, before this) handed every job through a
-queue and two threads on each side, which cost the stage ~0.5 ms of CPU per image job
-(benchmarks/decode_isolation.py --compare-with).
+queue and a thread on each side, which cost about 0.5 ms more CPU per image job, both sides
+together (benchmarks/decode_pool_cost.py --compare-with).
 """
 
 from __future__ import annotations
