@@ -99,12 +99,7 @@ def decode_event(raw: bytes) -> MediaEvent:
         raise Refused("malformed_event", "empty message (tombstone)")
     if raw[:4] != _EVENT_MAGIC:
         return from_json(raw, MediaEvent)
-    if len(raw) < _HEADER.size:
-        raise Refused("malformed_event", "event envelope shorter than its header")
-    _, header_len = _HEADER.unpack_from(raw)
-    offset = _HEADER.size + header_len
-    if offset > len(raw):
-        raise Refused("malformed_event", f"event header of {header_len} bytes runs past the message end")
+    _, offset = _envelope_header(raw, "malformed_event", "event envelope")
     event = from_json(memoryview(raw)[_HEADER.size:offset], MediaEvent)
     if event.payload.data != b"":
         raise Refused("malformed_event", 'an event envelope\'s header must say payload {"data": ""}: its bytes follow it')
@@ -256,15 +251,24 @@ class _ItemHeader(msgspec.Struct):
     on_timeout: str = "reject"
 
 
-def decode_work_item(raw: bytes) -> WorkItem:
-    if raw is None or len(raw) < _HEADER.size:
-        raise Refused("malformed_item", "work item shorter than its header")
+def _envelope_header(raw: bytes, reason: str, what: str) -> tuple[bytes, int]:
+    """(magic, end of the JSON header) of an envelope (magic, header length, JSON header, then
+    bytes), checked against the message's own size before anything is read from it."""
+    if len(raw) < _HEADER.size:
+        raise Refused(reason, f"{what} shorter than its header")
     magic, header_len = _HEADER.unpack_from(raw)
-    if magic != _MAGIC:
-        raise Refused("malformed_item", f"bad magic {magic!r}")
     offset = _HEADER.size + header_len
     if offset > len(raw):
-        raise Refused("malformed_item", f"header of {header_len} bytes runs past the message end")
+        raise Refused(reason, f"{what} header of {header_len} bytes runs past the message end")
+    return magic, offset
+
+
+def decode_work_item(raw: bytes) -> WorkItem:
+    if raw is None:
+        raise Refused("malformed_item", "work item shorter than its header")
+    magic, offset = _envelope_header(raw, "malformed_item", "work item")
+    if magic != _MAGIC:
+        raise Refused("malformed_item", f"bad magic {magic!r}")
     try:
         header = msgspec.json.decode(memoryview(raw)[_HEADER.size : offset], type=_ItemHeader)
     except msgspec.DecodeError as exc:
