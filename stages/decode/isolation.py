@@ -177,26 +177,15 @@ class DecodePool:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) in a worker, its failures turned into refusals (fn must be picklable)."""
         task = _frame((fn, args))
-        worker = await self._take()
         try:
             try:
-                answer = await self._call(worker, task)
-            except _Gone:  # it died while idle (killed from outside): the job goes to a fresh one
-                self._give_back(self._replace(worker))
-                worker = await self._take()
-                answer = await self._call(worker, task)
+                ok, value = await self._attempt(task)
+            except _Gone:  # that worker had died while idle (killed from outside): it never started
+                ok, value = await self._attempt(task)
         except _Overran:
-            self._give_back(self._replace(worker))
             raise MediaError("decode_timeout", f"decoding took longer than {self.timeout_s:g} s") from None
         except _Died as died:
-            self._give_back(self._replace(worker))
             raise MediaError("decoder_crashed", f"the decode worker died ({_exit_reason(died.exitcode)})") from None
-        except BaseException:  # cancelled mid-task: what the worker is doing is unknown
-            self._give_back(self._replace(worker))
-            raise
-        worker.done += 1
-        self._give_back(worker if worker.done < self.tasks_per_worker else self._replace(worker, kill=False))
-        ok, value = answer
         if ok:
             return value
         if isinstance(value, MemoryError):
@@ -237,6 +226,19 @@ class DecodePool:
         self._leaving.clear()
 
     # ---------------------------------------------------------------------------------------
+    async def _attempt(self, task: list[bytes]) -> tuple[bool, Any]:
+        """`task` on one worker; the worker comes back to the pool, or is replaced when it died,
+        overran or its caller was cancelled mid-task (what it is doing then is unknown)."""
+        worker = await self._take()
+        try:
+            answer = await self._call(worker, task)
+        except BaseException:
+            self._give_back(self._replace(worker))
+            raise
+        worker.done += 1
+        self._give_back(worker if worker.done < self.tasks_per_worker else self._replace(worker, kill=False))
+        return answer
+
     def _spawn(self) -> _Worker:
         tasks_read, tasks_write = self._context.Pipe(duplex=False)
         results_read, results_write = self._context.Pipe(duplex=False)
