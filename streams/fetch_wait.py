@@ -77,3 +77,25 @@ class LagReadSchedule:
 
     def read(self, total_lag: int, now: float) -> None:
         self._quiet_read_at = now if total_lag <= 0 else None
+
+
+@dataclass
+class ShortFetchWait:
+    """A fetch the broker cut short: it reported records past a partition's fetch offset and
+    returned none of them. The embedded broker (Tansu, memory storage) lists every batch of a
+    partition to answer a fetch that has records, and stops listing when the fetch's max wait
+    runs out; past about 30-45 thousand records in a partition a 20 ms fetch comes back empty
+    every time (benchmarks/broker_partition_growth.py), and the stage would stall. So each fetch
+    cut short doubles the next one's max wait, up to `max_ms`, until one comes back whole. (The
+    listing's cost per fetch still grows with the partition: see the README's known limits.)"""
+
+    max_ms: int = 2000
+    wait_ms: int = 0  # 0: the last fetch was whole
+
+    def after_fetch(self, cut_short: bool, wait_ms: int) -> int:
+        """The next fetch's max wait, given the wait the other policies chose."""
+        if not cut_short:
+            self.wait_ms = 0
+            return wait_ms
+        self.wait_ms = min(max(self.wait_ms, wait_ms, 1) * 2, self.max_ms)
+        return max(self.wait_ms, wait_ms)

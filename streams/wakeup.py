@@ -113,6 +113,10 @@ class FetchGate:
         else:
             self.next_wait_ms = poll_ms if got_records else max(poll_ms, self.fallback_ms)
 
+    def fetch_at_once(self) -> None:
+        """The next fetch goes without waiting for a wake-up (records are known to be there)."""
+        self.next_wait_ms = 0
+
     def fetch_max_wait_ms(self, poll_ms: int) -> int:
         """What the next fetch asks the broker to hold it for: the polling wait while polling
         (as without wake-ups: Apache Kafka answers such a fetch as soon as records come), else

@@ -1,6 +1,14 @@
-"""The idle back-off of the fetch wait and the lag read-out schedule, under a fake clock."""
+"""The idle back-off of the fetch wait and the lag read-out schedule, under a fake clock, and
+the longer wait after a fetch the broker cut short."""
 
-from mmpipe.streams.fetch_wait import AdaptiveFetchWait, LagReadSchedule
+import asyncio
+from types import SimpleNamespace
+
+from aiokafka import TopicPartition
+
+from mmpipe.streams.fetch_wait import AdaptiveFetchWait, LagReadSchedule, ShortFetchWait
+from mmpipe.streams.transport import adapt_fetch_wait, fetch_cut_short
+from mmpipe.streams.wakeup import FetchGate
 
 
 def empty_fetches(policy: AdaptiveFetchWait, start: float, until: float) -> float:
@@ -50,3 +58,70 @@ def test_lag_reads_pause_only_after_a_read_with_no_lag_and_resume_on_records():
     schedule.read(total_lag=0, now=11.0)
     fetches.after_fetch(True, 11.2)
     assert schedule.due(fetches, 11.5)  # records arrived since the quiet read
+
+
+# A fetch cut short (the broker reports records past the offset and returned none) ---------------
+def test_a_fetch_cut_short_doubles_the_next_wait_up_to_a_cap_and_a_whole_one_resets_it():
+    short = ShortFetchWait(max_ms=100)
+    assert short.after_fetch(False, 20) == 20
+    assert [short.after_fetch(True, 20) for _ in range(4)] == [40, 80, 100, 100]
+    assert short.after_fetch(False, 20) == 20 and short.wait_ms == 0
+    assert short.after_fetch(True, 500) == 500  # never shorter than what the other policies chose
+
+
+class PartitionState(SimpleNamespace):
+    has_valid_position = True
+
+
+class Assignment:
+    def __init__(self, **states: PartitionState) -> None:
+        self.states = {TopicPartition("t", int(p[1:])): s for p, s in states.items()}
+
+    def state_value(self, tp: TopicPartition) -> PartitionState | None:
+        return self.states.get(tp)
+
+
+def request(*offsets: tuple[int, int]) -> SimpleNamespace:
+    return SimpleNamespace(topics=[("t", [(partition, offset, 1 << 20) for partition, offset in offsets])])
+
+
+def test_cut_short_means_records_reported_past_the_offset_and_none_returned():
+    fetcher = SimpleNamespace(_records={})
+    caught_up = Assignment(p0=PartitionState(position=5, highwater=5))
+    assert not fetch_cut_short(fetcher, caught_up, request((0, 5)))
+    behind = Assignment(p0=PartitionState(position=5, highwater=5), p1=PartitionState(position=7, highwater=9))
+    assert fetch_cut_short(fetcher, behind, request((0, 5), (1, 7)))
+    fetcher._records[TopicPartition("t", 1)] = object()  # records for it came back: not cut short
+    assert not fetch_cut_short(fetcher, behind, request((0, 5), (1, 7)))
+    moved = Assignment(p1=PartitionState(position=8, highwater=9))  # seeked meanwhile: not this fetch's
+    assert not fetch_cut_short(SimpleNamespace(_records={}), moved, request((1, 7)))
+    assert not fetch_cut_short(SimpleNamespace(_records={}), Assignment(), request((1, 7)))  # revoked
+
+
+def test_the_transport_fetches_again_at_once_with_a_longer_wait_after_a_fetch_cut_short():
+    class Fetcher:
+        def __init__(self) -> None:
+            self._fetch_max_wait_ms = 20
+            self._records: dict = {}
+            self.state = PartitionState(position=3, highwater=3)
+            self.fetched = 0
+
+        async def _proc_fetch_request(self, assignment, node_id, req) -> bool:
+            self.fetched += 1
+            if self.fetched == 1:
+                self.state.highwater = 4  # a record the broker did not list in time
+                return False
+            self._records[TopicPartition("t", 0)] = object()
+            return True
+
+    async def run() -> None:
+        fetcher = Fetcher()
+        gate = FetchGate(fallback_ms=60_000)
+        adapt_fetch_wait(fetcher, AdaptiveFetchWait(20, 500, 1.0), gate)
+        assignment = Assignment(p0=fetcher.state)
+        assert not await fetcher._proc_fetch_request(assignment, 0, request((0, 3)))
+        assert fetcher._fetch_max_wait_ms == 40 and gate.next_wait_ms == 0  # no wake-up to wait for
+        assert await asyncio.wait_for(fetcher._proc_fetch_request(assignment, 0, request((0, 3))), 1)
+        assert fetcher._fetch_max_wait_ms == gate.hold_ms  # whole again: back to the usual hold
+
+    asyncio.run(run())

@@ -6,6 +6,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -138,16 +139,21 @@ def test_listening_folders_are_per_stage(stage):
 
 
 class FakeFetcher:
-    """What adapt_fetch_wait touches on aiokafka's fetcher: the wait and the fetch call."""
+    """What adapt_fetch_wait touches on aiokafka's fetcher: the wait, the fetch call and the
+    records it buffered."""
 
     def __init__(self, answers: list[bool]) -> None:
         self._fetch_max_wait_ms = 1
+        self._records: dict = {}
         self.answers = answers
         self.fetched = 0
 
     async def _proc_fetch_request(self, assignment, node_id, request) -> bool:
         self.fetched += 1
         return self.answers.pop(0)
+
+
+NO_PARTITIONS = SimpleNamespace(topics=[])
 
 
 def test_the_transport_holds_each_fetch_at_the_gate_and_sends_none_when_cancelled():
@@ -158,10 +164,10 @@ def test_the_transport_holds_each_fetch_at_the_gate_and_sends_none_when_cancelle
         fetcher = FakeFetcher([True, False])
         gate = FetchGate(fallback_ms=60_000)
         adapt_fetch_wait(fetcher, AdaptiveFetchWait(20, 500, 1.0), gate)
-        assert await fetcher._proc_fetch_request(None, 0, None)  # the first fetch goes at once
-        assert not await fetcher._proc_fetch_request(None, 0, None)  # after records: the 20 ms wait
+        assert await fetcher._proc_fetch_request(None, 0, NO_PARTITIONS)  # the first fetch goes at once
+        assert not await fetcher._proc_fetch_request(None, 0, NO_PARTITIONS)  # after records: the 20 ms wait
         assert fetcher.fetched == 2 and gate.next_wait_ms == 60_000
-        held = asyncio.ensure_future(fetcher._proc_fetch_request(None, 0, None))
+        held = asyncio.ensure_future(fetcher._proc_fetch_request(None, 0, NO_PARTITIONS))
         await asyncio.sleep(0.05)
         assert fetcher.fetched == 2  # held: nothing woke it
         held.cancel()
