@@ -12,6 +12,8 @@ fetches the broker may hold `--hold-ms` (the stages' polling wait), reporting:
   fetch ms: broker CPU per probe (its produce, the fetches that read it), from /proc
   e2e ms  : median time from the probe's acknowledgement to its arrival, over the found ones
   ListOffsets ms: broker CPU per end-offset request on that partition
+  by fetch ms   : the same end offset read from a fetch's high watermark (streams/kafka.py
+                  high_watermarks, what the lag read-outs use on the embedded broker)
 With `--transport` the consumer's fetches follow the stages' transport (streams/transport.py):
 a fetch the broker cut short (records reported past the offset, none returned) doubles the next
 one's max wait until one comes back whole.
@@ -32,6 +34,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from mmpipe.streams.broker import EmbeddedBroker
 from mmpipe.streams.fetch_wait import AdaptiveFetchWait
+from mmpipe.streams.kafka import high_watermarks
 from mmpipe.streams.transport import adapt_fetch_wait
 
 TOPIC = "growth"
@@ -75,17 +78,20 @@ async def probe(bootstrap: str, broker: psutil.Process, producer: AIOKafkaProduc
     return found, cpu_per_probe * 1000, statistics.median(latencies) * 1000 if latencies else None
 
 
-async def list_offsets_cost(bootstrap: str, broker: psutil.Process, requests: int) -> float:
+async def end_offset_costs(bootstrap: str, broker: psutil.Process, requests: int) -> tuple[float, float]:
+    """Broker CPU ms per end-offset read: by ListOffsets, and by a fetch's high watermark."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
     await consumer.start()
     tp = TopicPartition(TOPIC, 0)
-    await consumer.end_offsets([tp])
-    before = cpu_s(broker)
-    for _ in range(requests):
-        await consumer.end_offsets([tp])
-    cost = (cpu_s(broker) - before) / requests
+    costs = []
+    for read in (consumer.end_offsets, lambda tps: high_watermarks(consumer, tps)):
+        end = await read([tp])
+        before = cpu_s(broker)
+        for _ in range(requests):
+            assert await read([tp]) == end
+        costs.append((cpu_s(broker) - before) / requests * 1000)
     await consumer.stop()
-    return cost * 1000
+    return costs[0], costs[1]
 
 
 async def measure(bootstrap: str, pid: int, sizes: list[int], probes: int, hold_ms: int, transport: bool) -> None:
@@ -99,15 +105,15 @@ async def measure(bootstrap: str, pid: int, sizes: list[int], probes: int, hold_
     fetches = "the stages' transport" if transport else "plain aiokafka"
     print(f"one partition, single-record batches of {len(RECORD)} B; {probes} probes per size, fetches held up to"
           f" {hold_ms} ms, {fetches}")
-    print(f"{'records':>8} {'found':>7} {'fetch ms':>9} {'e2e ms':>7} {'ListOffsets ms':>15}")
+    print(f"{'records':>8} {'found':>7} {'fetch ms':>9} {'e2e ms':>7} {'ListOffsets ms':>15} {'by fetch ms':>12}")
     held = 0
     for size in sizes:
         await fill(producer, size - held)
         found, fetch_ms, e2e_ms = await probe(bootstrap, broker, producer, probes, hold_ms, transport)
         held = size + probes
-        list_ms = await list_offsets_cost(bootstrap, broker, 20)
+        list_ms, by_fetch_ms = await end_offset_costs(bootstrap, broker, 50)
         e2e = f"{e2e_ms:7.1f}" if e2e_ms is not None else f"{'-':>7}"
-        print(f"{size:>8} {found:>3}/{probes:<3} {fetch_ms:>9.2f} {e2e} {list_ms:>15.2f}", flush=True)
+        print(f"{size:>8} {found:>3}/{probes:<3} {fetch_ms:>9.2f} {e2e} {list_ms:>15.2f} {by_fetch_ms:>12.2f}", flush=True)
     await producer.stop()
 
 

@@ -361,6 +361,7 @@ class StageRuntime:
     def _export_lag(self, group: str, rows: list[Any]) -> None:
         for row in rows:
             self.metrics.lag.labels(group, row.topic, str(row.partition)).set(row.lag)
+            self.metrics.end_offset.labels(row.topic, str(row.partition)).set(row.end_offset)
 
 
 def _incoming(m: Any) -> Incoming:

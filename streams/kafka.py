@@ -14,6 +14,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.protocol.fetch import FetchRequest
 
 from mmpipe.schemas.settings import Settings, secret
 from mmpipe.streams.topics import TopicNames, with_lanes
@@ -145,6 +146,7 @@ class LagReader:
         self._consumer: AIOKafkaConsumer | None = None  # group-less: metadata and end offsets
         self._admin: AIOKafkaAdminClient | None = None
         self._coordinators: dict[str, int] = {}  # group -> coordinator node (saves a lookup)
+        self._fetch_refused = False
 
     async def _metadata_consumer(self) -> AIOKafkaConsumer:
         if self._consumer is None:
@@ -169,9 +171,18 @@ class LagReader:
         ]
         if not tps:
             return []
-        ends = await consumer.end_offsets(tps)
+        ends = await self.end_offsets(consumer, tps)
         committed = await self.committed(group, tps)
         return [PartitionLag(group, tp.topic, tp.partition, ends[tp], committed.get(tp)) for tp in tps]
+
+    async def end_offsets(self, consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        if self.settings.end_offsets_from_fetch and not self._fetch_refused:
+            ends = await high_watermarks(consumer, tps)
+            if ends is not None:
+                return ends
+            self._fetch_refused = True  # a broker that checks fetch offsets: ListOffsets from now on
+            log.info("the broker refused a fetch past a partition's end; reading end offsets with ListOffsets")
+        return await consumer.end_offsets(tps)
 
     async def committed(self, group: str, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         """The group's committed offsets; partitions it never committed are left out."""
@@ -210,6 +221,39 @@ class LagReader:
         if self._admin is not None:
             await self._admin.close()
             self._admin = None
+
+
+# Far past any partition's end: the embedded broker answers a fetch there without looking at
+# the stored batches (the offset is not below its high watermark).
+PAST_THE_END = 1 << 62
+
+
+async def high_watermarks(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, int] | None:
+    """End offsets from the high watermarks of one fetch per leader, asked past each partition's
+    end so that no records come back. On the embedded broker a ListOffsets request lists every
+    batch the partition ever stored (its cost grows with the partition:
+    benchmarks/broker_partition_growth.py); this fetch reads one stored counter, exact with
+    multi-record batches too. None when the broker refuses it (Apache Kafka checks the offset:
+    OFFSET_OUT_OF_RANGE) or leaves a partition out."""
+    client = consumer._client  # noqa: SLF001
+    by_leader: dict[int, list[TopicPartition]] = {}
+    for tp in tps:
+        leader = client.cluster.leader_for_partition(tp)
+        if leader is None or leader < 0:
+            return None
+        by_leader.setdefault(leader, []).append(tp)
+    ends: dict[TopicPartition, int] = {}
+    for leader, group in by_leader.items():
+        topics: dict[str, list[tuple[int, int, int]]] = {}
+        for tp in group:
+            topics.setdefault(tp.topic, []).append((tp.partition, PAST_THE_END, 1))
+        # A max wait of 0 is answered with no partitions at all by the embedded broker.
+        response = await client.send(leader, FetchRequest(1, 1, 1, 0, list(topics.items())))
+        for topic, partitions in response.topics:
+            for partition, error_code, highwater, *_ in partitions:
+                if error_code == 0 and highwater >= 0:
+                    ends[TopicPartition(topic, partition)] = highwater
+    return ends if all(tp in ends for tp in tps) else None
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:

@@ -71,6 +71,12 @@ class StageMetrics:
             "mm_consumer_lag", "Log end offset minus committed offset",
             ["group", "topic", "partition"], registry=r,
         )
+        # Records a partition holds on the embedded broker (it never deletes one), whose cost per
+        # fetch grows with it: alert on it there (README, known limits).
+        self.end_offset = Gauge(
+            "mm_partition_end_offset", "Log end offset of a partition the stage reads or feeds",
+            ["topic", "partition"], registry=r,
+        )
         self.errors = Counter("mm_errors_total", "Errors by reason", ["stage", "reason"], registry=r)
         self.retries = Counter("mm_retries_total", "Retries of transient failures", ["stage", "reason"], registry=r)
         self.dead_letters = Counter("mm_dead_letters_total", "Messages sent to the dead-letter topic", ["stage", "reason"], registry=r)

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmpipe.client import make_event
 from mmpipe.schemas.settings import BatchingSettings
 from mmpipe.stages.sink.store import count_results
+from mmpipe.streams.topics import TopicNames
 from mmpipe.streams.topology import STAGE_NAMES, metrics_port
 from mmpipe.streams.broker import free_port_block
 from mmpipe.supervisor import METRICS_PORT_SPAN, Pipeline
@@ -107,6 +108,9 @@ def test_slow_inference_pauses_upstream_with_bounded_backlog_then_drains(slow_pi
         samples = scrape(ports[stage])
         assert all(v == 0 for v in metric(samples, "mm_consumer_lag", group=f"{prefix}-{stage}")), stage
         assert all(v == 0 for v in metric(samples, "mm_partition_paused")), stage
+    # The same read-outs export how many records each partition holds: one event per job.
+    events_topic = TopicNames(prefix).events
+    assert sum(metric(scrape(ports["decode"]), "mm_partition_end_offset", topic=events_topic)) == JOBS
 
 
 def test_metrics_export_the_stage_table(slow_pipeline):

@@ -1,0 +1,75 @@
+"""End offsets for the lag read-outs: from a fetch's high watermarks on the embedded broker
+(streams/kafka.py high_watermarks), ListOffsets where the broker refuses such a fetch."""
+
+import asyncio
+
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from mmpipe.schemas.settings import Settings
+from mmpipe.streams import kafka
+from mmpipe.streams.kafka import LagReader, groupless_consumer, high_watermarks, make_producer
+
+
+async def create(bootstrap: str, *topics: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 2, 1) for topic in topics])
+    finally:
+        await admin.close()
+
+
+async def produce(producer: AIOKafkaProducer, topic: str, counts: dict[int, int]) -> None:
+    await producer.start()
+    try:
+        acks = [await producer.send(topic, b"x", partition=p) for p, n in counts.items() for _ in range(n)]
+        await asyncio.gather(*acks)
+    finally:
+        await producer.stop()
+
+
+def test_high_watermarks_match_the_records_written_in_single_and_multi_record_batches(broker):
+    async def run() -> None:
+        settings = Settings(bootstrap=broker.bootstrap)
+        await create(broker.bootstrap, "hwm-single", "hwm-batched")
+        await produce(make_producer(settings), "hwm-single", {0: 3, 1: 5})
+        # linger: several records per producer batch, which ListOffsets on this broker miscounts
+        await produce(AIOKafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=100), "hwm-batched", {0: 7})
+        consumer = groupless_consumer(settings, offset_reset="latest")
+        await consumer.start()
+        try:
+            await consumer.topics()
+            tps = [TopicPartition(t, p) for t in ("hwm-single", "hwm-batched") for p in (0, 1)]
+            ends = await high_watermarks(consumer, tps)
+            assert ends == {tps[0]: 3, tps[1]: 5, tps[2]: 7, tps[3]: 0}
+            single = await consumer.end_offsets(tps[:2])
+            assert single == {tps[0]: 3, tps[1]: 5}  # the two ways agree on single-record batches
+        finally:
+            await consumer.stop()
+
+    asyncio.run(run())
+
+
+def test_the_lag_reader_falls_back_to_list_offsets_once_the_broker_refuses_the_fetch(broker, monkeypatch):
+    async def run() -> None:
+        settings = Settings(bootstrap=broker.bootstrap)
+        await create(broker.bootstrap, "hwm-refused")
+        await produce(make_producer(settings), "hwm-refused", {0: 2, 1: 1})
+        tried = []
+
+        async def refused(consumer, tps):
+            tried.append(tps)
+            return None  # what Apache Kafka's OFFSET_OUT_OF_RANGE comes to
+
+        monkeypatch.setattr(kafka, "high_watermarks", refused)
+        reader = LagReader(settings)
+        try:
+            for _ in range(2):
+                rows = await reader.read("no-such-group", ["hwm-refused"])
+                assert {(r.partition, r.end_offset, r.lag) for r in rows} == {(0, 2, 2), (1, 1, 1)}
+        finally:
+            await reader.close()
+        assert len(tried) == 1  # refused once: ListOffsets from then on
+
+    asyncio.run(run())
