@@ -124,6 +124,7 @@ def test_tiny_benchmark_run_is_consistent(tmp_path):
         per_job = variant["bytes_per_job"]
         assert per_job["ready"]["records"] == per_job["events"]["records"] == 1  # one image part per job
         assert per_job["ready"]["bytes"] > 3 * 224 * 224  # the uint8 crop and its header
+        assert variant["largest_partition_records"] > 0  # fresh topics: what the broker's figures hold at
     assert {"idle CPU per stage process", "CPU per job outside the model"} <= {t["name"] for t in result["targets"]}
     assert {run["label"] for run in result["runs"]} >= {"off", result["policies"]["headline"]["label"]}
     for run in result["runs"]:

@@ -157,6 +157,9 @@ class TopicBytes:
         self.settings = settings
         self.topics = [name for name, _ in TopicNames(settings.topic_prefix).all()]
         self.start: dict[TopicPartition, int] = {}
+        # Records in the fullest partition at the last read: the embedded broker's cost per
+        # fetch grows with it (README, known limits), so the figures beside it hold at that size.
+        self.largest_partition = 0
 
     def mark(self) -> None:
         self.start = asyncio.run(self._with_consumer(self._ends))
@@ -183,6 +186,7 @@ class TopicBytes:
     async def _read_added(self, consumer: AIOKafkaConsumer) -> dict[str, dict[str, int]]:
         tps = await self._partitions(consumer)
         ends = await consumer.end_offsets(tps)
+        self.largest_partition = max(ends.values(), default=0)
         todo = {tp: ends[tp] for tp in tps if ends[tp] > self.start.get(tp, 0)}
         out = {topic: {"bytes": 0, "records": 0} for topic in self.topics}
         if not todo:

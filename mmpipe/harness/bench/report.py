@@ -215,6 +215,7 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
                            ("p50 e2e ms at 30% load", lambda r: r["light_load"]["p50_ms"]),
                            ("model alone just before / at start", lambda r: r["model_probe"]["vs_start"])):
             rows += [row(f"{label}, round {i + 1}", lambda v, i=i, get=get: get(v["rounds"][i])) for i in range(rounds)]
+    rows.append(row("records in the fullest partition (broker cost grows with it)", lambda v: v["largest_partition_records"]))
     rows += [row(f"bytes/job {t}", lambda v, t=t: v["bytes_per_job"][t]["bytes"]) for t in topics]
     rows += [row(f"records/job {t}", lambda v, t=t: v["bytes_per_job"][t]["records"]) for t in topics]
     return rows

@@ -446,6 +446,7 @@ class Runner:
                                               probe["vs_start"]),
             },
             "bytes_per_job": efficiency.per_job(topic_bytes.added(), figures["published"], self.bench.settings.topic_prefix),
+            "largest_partition_records": topic_bytes.largest_partition,  # read by added() just before
         }
 
     # One measured run ----------------------------------------------------------------------------
