@@ -167,7 +167,8 @@ def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait, gate: FetchGate | 
         cut_short = fetch_cut_short(fetcher, assignment, request)
         fetcher._fetch_max_wait_ms = short.after_fetch(cut_short, wait_ms)  # noqa: SLF001
         if cut_short:
-            _warn_cut_short(short.wait_ms, now)
+            if short.streak > 1:
+                _warn_cut_short(short.wait_ms, now)
             if gate is not None:
                 gate.fetch_at_once()  # the records are there: no wake-up will announce them again
         return got_records

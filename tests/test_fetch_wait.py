@@ -65,7 +65,8 @@ def test_a_fetch_cut_short_doubles_the_next_wait_up_to_a_cap_and_a_whole_one_res
     short = ShortFetchWait(max_ms=100)
     assert short.after_fetch(False, 20) == 20
     assert [short.after_fetch(True, 20) for _ in range(4)] == [40, 80, 100, 100]
-    assert short.after_fetch(False, 20) == 20 and short.wait_ms == 0
+    assert short.streak == 4
+    assert short.after_fetch(False, 20) == 20 and short.wait_ms == short.streak == 0
     assert short.after_fetch(True, 500) == 500  # never shorter than what the other policies chose
 
 
