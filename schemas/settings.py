@@ -142,10 +142,6 @@ class Settings(BaseSettings):
     # to polling. Off: plain polling (no gain on Apache Kafka, which long-polls).
     fetch_wakeups: bool = True
     fetch_wake_fallback_ms: int = Field(200, ge=1)
-    # After a wake-up a consumer waits this long before it fetches, so that one fetch takes a
-    # burst of records acknowledged together (an inference batch's predictions, one per job's
-    # partition, come in acks a millisecond or two apart) instead of one fetch per wake-up.
-    fetch_wake_coalesce_ms: int = Field(2, ge=0)
     # faust runs each consumer on a thread with an event loop of its own and hands every fetch
     # across; off, the consumer shares the stage's loop (streams/transport.py, change 7).
     consumer_in_thread: bool = False

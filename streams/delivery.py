@@ -52,7 +52,6 @@ def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
     scheme = transport.register(
         settings.fetch_max_wait_ms, settings.fetch_idle_max_wait_ms, settings.fetch_idle_after_s,
         wakeup.listening_folder(settings, stage_name), settings.fetch_wake_fallback_ms, settings.consumer_in_thread,
-        settings.fetch_wake_coalesce_ms,
     )
     datadir = settings.state_path("faust")
     datadir.mkdir(parents=True, exist_ok=True)

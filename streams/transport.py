@@ -72,7 +72,6 @@ FETCH_WAIT = AdaptiveFetchWait(base_ms=20, idle_max_ms=20, idle_after_s=1.0)
 # empty fetch (register()); None: no wake-ups, plain (adaptive) polling.
 WAKE_FOLDER: Path | None = None
 WAKE_FALLBACK_MS = 200
-WAKE_COALESCE_MS = 0
 WAKE: WakeListener | None = None  # the running listener, on the consumer's loop
 CONSUMER_IN_THREAD = False  # faust's own threaded consumer (True) or InlineConsumerThread
 # How often aiokafka's fetch routine looks again with nothing to wake it (aiokafka: 0.2 s). A
@@ -94,7 +93,7 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         await super().on_start()
         gate = None
         if WAKE_FOLDER is not None:
-            gate = FetchGate(WAKE_FALLBACK_MS, hold_ms=FETCH_WAIT.base_ms, coalesce_ms=WAKE_COALESCE_MS)
+            gate = FetchGate(WAKE_FALLBACK_MS, hold_ms=FETCH_WAIT.base_ms)
             WAKE = WakeListener(WAKE_FOLDER, gate)
             WAKE.start()
         adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT, gate)  # noqa: SLF001
@@ -316,14 +315,13 @@ class Transport(faust_aiokafka.Transport):
 
 
 def register(fetch_max_wait_ms: int, idle_max_wait_ms: int | None = None, idle_after_s: float = 1.0,
-             wake_folder: Path | None = None, wake_fallback_ms: int = 200, consumer_in_thread: bool = False,
-             wake_coalesce_ms: int = 0) -> str:
+             wake_folder: Path | None = None, wake_fallback_ms: int = 200, consumer_in_thread: bool = False) -> str:
     """Install the transport; the fetch wait backs off to `idle_max_wait_ms` (None: never);
     with a `wake_folder` the consumer fetches on wake-ups (streams/wakeup.py); the consumer
     runs on a thread of its own only with `consumer_in_thread`."""
-    global FETCH_WAIT, WAKE_FOLDER, WAKE_FALLBACK_MS, WAKE_COALESCE_MS, CONSUMER_IN_THREAD
+    global FETCH_WAIT, WAKE_FOLDER, WAKE_FALLBACK_MS, CONSUMER_IN_THREAD
     FETCH_WAIT = AdaptiveFetchWait(fetch_max_wait_ms, idle_max_wait_ms or fetch_max_wait_ms, idle_after_s)
-    WAKE_FOLDER, WAKE_FALLBACK_MS, WAKE_COALESCE_MS = wake_folder, wake_fallback_ms, wake_coalesce_ms
+    WAKE_FOLDER, WAKE_FALLBACK_MS = wake_folder, wake_fallback_ms
     CONSUMER_IN_THREAD = consumer_in_thread
     TRANSPORTS.aliases[SCHEME] = f"{__name__}:Transport"
     return SCHEME

@@ -87,7 +87,6 @@ class FetchGate:
     # (tests/test_overload.py: results 5-19 s late in the sink's topic); one that may wait the
     # polling wait finds them, and comes back at once when they are there before it.
     hold_ms: int = 20
-    coalesce_ms: int = 0  # after a wake-up, wait this long for the rest of its burst (Settings)
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     polling: bool = False  # records came while no wake-up did: producers that never send them
     last_wake_at: float = float("-inf")
@@ -131,8 +130,6 @@ class FetchGate:
         its cancelled fetch tasks and expects them to return, as its own do."""
         try:
             await asyncio.wait_for(self.woken.wait(), self.next_wait_ms / 1000)
-            if self.coalesce_ms:
-                await asyncio.sleep(self.coalesce_ms / 1000)  # their wake-ups are cleared below
         except asyncio.TimeoutError:
             self._timed_out = self.next_wait_ms > 0  # the first fetch waits for nothing
         except asyncio.CancelledError:

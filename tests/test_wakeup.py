@@ -81,24 +81,6 @@ def test_a_wake_up_ends_the_fallback_wait_and_a_cancelled_wait_returns():
     asyncio.run(run())
 
 
-def test_after_a_wake_up_the_gate_waits_for_the_rest_of_its_burst_and_one_fetch_takes_them_all():
-    async def run() -> None:
-        gate = FetchGate(fallback_ms=60_000, coalesce_ms=50)
-        gate.after_fetch(False, 20, 0.0)
-        waiting = asyncio.ensure_future(gate.wait())
-        await asyncio.sleep(0.01)
-        gate.wake(0.1)
-        started = time.monotonic()
-        await asyncio.sleep(0.02)
-        assert not waiting.done()  # still gathering the burst
-        gate.wake(0.12)  # the next record's ack, inside the burst
-        assert await asyncio.wait_for(waiting, 5)
-        assert time.monotonic() - started >= 0.045
-        assert not gate.woken.is_set()  # the burst's wake-ups are spent on this fetch
-
-    asyncio.run(run())
-
-
 def test_a_sent_wake_up_reaches_the_listener_of_the_stage_reading_the_topic(tmp_path):
     folder = tmp_path / "wake" / "preprocess"
 

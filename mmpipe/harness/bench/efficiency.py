@@ -40,8 +40,7 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
     """Settings overrides per variant; the first ("adaptive") is what the pipeline already runs.
     Where it runs each consumer on the stage's loop (streams/transport.py), "consumer thread"
     is the same on faust's consumer thread; where it uses wake-ups between stages
-    (streams/wakeup.py), "no wake-ups" is the same polling, and "no coalescing" fetches at
-    once on each wake-up instead of waiting for the rest of its burst; where decode cuts frames to the
+    (streams/wakeup.py), "no wake-ups" is the same polling; where decode cuts frames to the
     model's centre crop, "whole frames" sends them whole; where decode places the parts it
     already made model-ready onto `ready` itself, "no bypass" sends every part through
     preprocess; where decode and preprocess run apart, "fused" runs them as one process (no
@@ -54,8 +53,6 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
         out["consumer thread"] = {"consumer_in_thread": True}
     if settings.fetch_wakeups:
         out["no wake-ups"] = {"fetch_wakeups": False}
-        if settings.fetch_wake_coalesce_ms:
-            out["no coalescing"] = {"fetch_wake_coalesce_ms": 0}
     if settings.decode_center_crop:
         out["whole frames"] = {"decode_center_crop": False}
     if settings.preprocess_bypass and not settings.fuse_preprocess:
