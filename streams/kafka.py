@@ -177,12 +177,15 @@ class LagReader:
 
     async def end_offsets(self, consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         if self.settings.end_offsets_from_fetch and not self._fetch_refused:
-            ends = await high_watermarks(consumer, tps)
-            if ends is not None:
-                return ends
-            self._fetch_refused = True  # a broker that checks fetch offsets: ListOffsets from now on
-            log.info("the broker refused a fetch past a partition's end; reading end offsets with ListOffsets")
-        return await consumer.end_offsets(tps)
+            try:
+                ends = await high_watermarks(consumer, tps)
+            except FetchRefused as exc:  # a broker that checks fetch offsets: ListOffsets from now on
+                self._fetch_refused = True
+                log.info("%s; reading end offsets with ListOffsets", exc)
+            else:
+                if ends is not None:
+                    return ends
+        return await consumer.end_offsets(tps)  # also while a partition's leader is not known yet
 
     async def committed(self, group: str, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         """The group's committed offsets; partitions it never committed are left out."""
@@ -228,13 +231,18 @@ class LagReader:
 PAST_THE_END = 1 << 62
 
 
+class FetchRefused(KafkaError):
+    """The broker would not answer a fetch past a partition's end with its high watermark."""
+
+
 async def high_watermarks(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, int] | None:
     """End offsets from the high watermarks of one fetch per leader, asked past each partition's
     end so that no records come back. On the embedded broker a ListOffsets request lists every
     batch the partition ever stored (its cost grows with the partition:
     benchmarks/broker_partition_growth.py); this fetch reads one stored counter, exact with
-    multi-record batches too. None when the broker refuses it (Apache Kafka checks the offset:
-    OFFSET_OUT_OF_RANGE) or leaves a partition out."""
+    multi-record batches too. None while a partition's leader is not known; FetchRefused when
+    the broker answers with an error (Apache Kafka checks the offset: OFFSET_OUT_OF_RANGE) or
+    leaves a partition out."""
     client = consumer._client  # noqa: SLF001
     by_leader: dict[int, list[TopicPartition]] = {}
     for tp in tps:
@@ -251,9 +259,13 @@ async def high_watermarks(consumer: AIOKafkaConsumer, tps: list[TopicPartition])
         response = await client.send(leader, FetchRequest(1, 1, 1, 0, list(topics.items())))
         for topic, partitions in response.topics:
             for partition, error_code, highwater, *_ in partitions:
-                if error_code == 0 and highwater >= 0:
-                    ends[TopicPartition(topic, partition)] = highwater
-    return ends if all(tp in ends for tp in tps) else None
+                if error_code != 0 or highwater < 0:
+                    raise FetchRefused(f"the broker answered a fetch past {topic}/{partition}'s end with error {error_code}")
+                ends[TopicPartition(topic, partition)] = highwater
+    missing = [tp for tp in tps if tp not in ends]
+    if missing:
+        raise FetchRefused(f"the broker left {missing[0].topic}/{missing[0].partition} out of a fetch past its end")
+    return ends
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:

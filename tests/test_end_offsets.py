@@ -60,7 +60,7 @@ def test_the_lag_reader_falls_back_to_list_offsets_once_the_broker_refuses_the_f
 
         async def refused(consumer, tps):
             tried.append(tps)
-            return None  # what Apache Kafka's OFFSET_OUT_OF_RANGE comes to
+            raise kafka.FetchRefused("error 1")  # what Apache Kafka's OFFSET_OUT_OF_RANGE comes to
 
         monkeypatch.setattr(kafka, "high_watermarks", refused)
         reader = LagReader(settings)
@@ -71,5 +71,31 @@ def test_the_lag_reader_falls_back_to_list_offsets_once_the_broker_refuses_the_f
         finally:
             await reader.close()
         assert len(tried) == 1  # refused once: ListOffsets from then on
+
+    asyncio.run(run())
+
+
+def test_a_leader_not_known_yet_reads_list_offsets_once_and_keeps_the_fetch(broker, monkeypatch):
+    async def run() -> None:
+        settings = Settings(bootstrap=broker.bootstrap)
+        await create(broker.bootstrap, "hwm-no-leader")
+        await produce(make_producer(settings), "hwm-no-leader", {0: 4})
+        answers = [None]  # the first read finds no leader; the broker was never asked
+        calls = []
+        real = kafka.high_watermarks
+
+        async def first_without_leader(consumer, tps):
+            calls.append(tps)
+            return answers.pop() if answers else await real(consumer, tps)
+
+        monkeypatch.setattr(kafka, "high_watermarks", first_without_leader)
+        reader = LagReader(settings)
+        try:
+            for _ in range(2):
+                rows = await reader.read("no-such-group", ["hwm-no-leader"])
+                assert {(r.partition, r.end_offset) for r in rows} == {(0, 4), (1, 0)}
+        finally:
+            await reader.close()
+        assert len(calls) == 2  # still the fetch on the second read
 
     asyncio.run(run())
