@@ -94,6 +94,8 @@ class ShortFetchWait:
     # Fetches cut short in a row. One alone is not the embedded broker's listing: Apache Kafka
     # leaves partitions out of a fetch that reached its size limit, and the next one has them.
     streak: int = 0
+    warn_every_s: float = 60.0
+    _warned_at: float = field(init=False, default=float("-inf"))
 
     def after_fetch(self, cut_short: bool, wait_ms: int) -> int:
         """The next fetch's max wait, given the wait the other policies chose."""
@@ -103,3 +105,11 @@ class ShortFetchWait:
         self.streak += 1
         self.wait_ms = min(max(self.wait_ms, wait_ms, 1) * 2, self.max_ms)
         return max(self.wait_ms, wait_ms)
+
+    def warning_due(self, now: float) -> bool:
+        """Whether to log the fetches cut short now: two or more in a row, at most once a
+        `warn_every_s` (the stall it warns of lasts)."""
+        if self.streak < 2 or now - self._warned_at < self.warn_every_s:
+            return False
+        self._warned_at = now
+        return True

@@ -167,8 +167,11 @@ def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait, gate: FetchGate | 
         cut_short = fetch_cut_short(fetcher, assignment, request)
         fetcher._fetch_max_wait_ms = short.after_fetch(cut_short, wait_ms)  # noqa: SLF001
         if cut_short:
-            if short.streak > 1:
-                _warn_cut_short(short.wait_ms, now)
+            if short.warning_due(now):
+                log.warning(
+                    "the broker returned no records where it reports some (fetches cut short); the next"
+                    " fetch may wait %d ms. On the embedded broker this means partitions too large for its"
+                    " storage to list in time: see the README's known limits", short.wait_ms)
             if gate is not None:
                 gate.fetch_at_once()  # the records are there: no wake-up will announce them again
         return got_records
@@ -190,19 +193,6 @@ def fetch_cut_short(fetcher: Any, assignment: Any, request: Any) -> bool:
             if state.highwater is not None and state.highwater > offset:
                 return True
     return False
-
-
-_last_cut_short_warning = float("-inf")
-
-
-def _warn_cut_short(wait_ms: int, now: float) -> None:
-    global _last_cut_short_warning
-    if now - _last_cut_short_warning >= 60:
-        _last_cut_short_warning = now
-        log.warning(
-            "the broker returned no records where it reports some (a fetch cut short); the next fetch may"
-            " wait %d ms. On the embedded broker this means partitions too large for its storage to"
-            " list in time: see the README's known limits", wait_ms)
 
 
 def first_committable_run(acked: list[int], committed: int | None, lowest_unacked: int | None) -> list[int]:

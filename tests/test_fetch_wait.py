@@ -66,8 +66,11 @@ def test_a_fetch_cut_short_doubles_the_next_wait_up_to_a_cap_and_a_whole_one_res
     assert short.after_fetch(False, 20) == 20
     assert [short.after_fetch(True, 20) for _ in range(4)] == [40, 80, 100, 100]
     assert short.streak == 4
+    assert short.warning_due(now=100.0) and not short.warning_due(now=159.0)  # once a minute
+    assert short.warning_due(now=160.0)
     assert short.after_fetch(False, 20) == 20 and short.wait_ms == short.streak == 0
     assert short.after_fetch(True, 500) == 500  # never shorter than what the other policies chose
+    assert not short.warning_due(now=1000.0)  # one alone: Apache Kafka's size limit, say
 
 
 class PartitionState(SimpleNamespace):
