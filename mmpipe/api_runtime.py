@@ -28,6 +28,7 @@ from mmpipe.streams.kafka import ensure_topics, make_producer
 from mmpipe.streams.retry import async_retrying
 from mmpipe.streams.tasks import cancel_and_wait, close_within
 from mmpipe.streams.topics import EVENTS, TopicNames
+from mmpipe.streams.wakeup import wake_sender
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class BrokerLink:
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
         self._last_failure: tuple[float, str] | None = None
+        self._wakes = wake_sender(settings)  # the decode stage fetches when told (streams/wakeup.py)
 
     async def producer(self) -> AIOKafkaProducer:
         async with self._lock:
@@ -164,6 +166,8 @@ class BrokerLink:
             )
         except (KafkaError, asyncio.TimeoutError) as exc:
             raise BrokerUnavailable(f"publishing to {topic} failed: {_describe(exc)}") from exc
+        if self._wakes is not None:
+            self._wakes.notify(topic)
 
     async def check(self, timeout_s: float) -> None:
         """A metadata request over the producer's connection: the broker answers or it is down."""
@@ -174,6 +178,9 @@ class BrokerLink:
             raise BrokerUnavailable(f"{self.settings.bootstrap}: {_describe(exc)}") from exc
 
     async def close(self) -> None:
+        if self._wakes is not None:
+            self._wakes.close()
+            self._wakes = None
         async with self._lock:
             if self._producer is not None:
                 await close_within(self._producer.stop(), CONNECT_TIMEOUT_S, "the events producer")

@@ -16,6 +16,7 @@ from mmpipe.schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payl
 from mmpipe.schemas.events import NORMAL_PRIORITY
 from mmpipe.streams.kafka import groupless_consumer, make_producer
 from mmpipe.streams.topics import EVENTS, TopicNames
+from mmpipe.streams.wakeup import wake_sender
 
 EXTENSIONS = {
     "image": {".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"},
@@ -92,6 +93,9 @@ class Publisher:
         self.topics = TopicNames(settings.topic_prefix, settings.scheduling.priority_lanes)
         self.topic = self.topics.events
         self._producer = make_producer(settings)
+        # Tells the decode stage on this machine that events are in (it fetches then, instead
+        # of polling): streams/wakeup.py.
+        self._wakes = wake_sender(settings)
 
     async def __aenter__(self) -> Publisher:
         await self._producer.start()
@@ -99,22 +103,31 @@ class Publisher:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._producer.stop()
+        if self._wakes is not None:
+            self._wakes.close()
 
     async def publish(self, event: MediaEvent) -> None:
-        await self._producer.send_and_wait(self.topics.lane(EVENTS, event.priority), encode_event(event),
-                                           key=event.job_id.encode())
+        topic = self.topics.lane(EVENTS, event.priority)
+        await self._producer.send_and_wait(topic, encode_event(event), key=event.job_id.encode())
+        self._announce([topic])
 
     async def publish_raw(self, key: bytes | None, value: bytes, topic: str | None = None) -> None:
         """For tests and fault injection: put arbitrary bytes on the events topic (or `topic`)."""
         await self._producer.send_and_wait(topic or self.topic, value, key=key)
+        self._announce([topic or self.topic])
 
     async def publish_many(self, events: Iterable[MediaEvent]) -> int:
-        futures = [
-            await self._producer.send(self.topics.lane(EVENTS, e.priority), encode_event(e), key=e.job_id.encode())
-            for e in events
-        ]
+        sent = [(self.topics.lane(EVENTS, e.priority), e) for e in events]
+        futures = [await self._producer.send(topic, encode_event(e), key=e.job_id.encode()) for topic, e in sent]
         await asyncio.gather(*futures)
+        self._announce({topic for topic, _ in sent})
         return len(futures)
+
+    def _announce(self, topics: Iterable[str]) -> None:
+        """After the broker acknowledged records on `topics`: one wake-up per topic."""
+        if self._wakes is not None:
+            for topic in topics:
+                self._wakes.notify(topic)
 
 
 def results_reader(settings: Settings, *topics: str, offset_reset: str) -> AIOKafkaConsumer:

@@ -242,7 +242,7 @@ class StageRuntime:
             stage, self.failures, self.sender, self.poison, self.gate, self.admission,
             [topic for _, topics, _ in self._downstreams for topic in topics],
         )
-        self._wakes = wakeup.WakeSender(wakeup.reader_folders(self.settings)) if self.settings.fetch_wakeups else None
+        self._wakes = wakeup.wake_sender(self.settings)
         self._lag_reader: LagReader | None = None
         self._lag_schedule = LagReadSchedule(self.settings.lag_idle_interval_s)
         self._tasks: set[asyncio.Task] = set()
@@ -331,22 +331,22 @@ class StageRuntime:
 
     async def _watch_lag(self) -> None:
         """Export this group's lag, feed the stage's backlog estimate, and refresh the next
-        stage's lag that admission holds partitions on."""
+        stage's lag that admission holds partitions on. One end-offsets request covers every
+        group read; each group's lag is exported by its own stage (the one always current)."""
         if not self._lag_schedule.due(transport.FETCH_WAIT, time.monotonic()):
-            return  # idle with no lag anywhere: the last figures still hold
+            return  # nothing to do here and nothing held: the last figures still hold
         try:
             if self._lag_reader is None:
                 self._lag_reader = LagReader(self.settings)
             group = group_id(self.settings, self.stage.name)
-            rows = await self._lag_reader.read(group, self.stage.input_topics)
-            self._export_lag(group, rows)
-            self.stage.backlog = sum(row.lag for row in rows)
+            own, *downstream_rows = await self._lag_reader.read_groups(
+                [(group, self.stage.input_topics)] + [(g, topics) for _, topics, g in self._downstreams])
+            self._export_lag(group, own)
+            self.stage.backlog = sum(row.lag for row in own)
             # Both lanes of a partition, and every stage fed (decode's bypass feeds two): one
             # bound on the backlog this stage put in front of the next ones.
             total: Counter[int] = Counter()
-            for downstream, topics, downstream_group in self._downstreams:
-                rows = await self._lag_reader.read(downstream_group, topics)
-                self._export_lag(downstream_group, rows)
+            for (downstream, _, _), rows in zip(self._downstreams, downstream_rows):
                 lag: Counter[int] = Counter()
                 for row in rows:
                     lag[row.partition] += row.lag
@@ -354,7 +354,7 @@ class StageRuntime:
                 total.update(lag)
             if self._downstreams:
                 self.admission.update(dict(total))
-            self._lag_schedule.read(self.stage.backlog + sum(total.values()), time.monotonic())
+            self._lag_schedule.read(self.stage.backlog, self.admission.holding, time.monotonic())
         except Exception as exc:  # telemetry and throttling must never kill the stage
             log.warning("lag read failed: %r", exc)
 

@@ -7,21 +7,24 @@ fetches were 44 of a job's 63 requests, and 9 of 16 at saturation; the broker's 
 follows its request count (benchmarks/hop_latency.py). Apache Kafka long-polls and needs none of
 this; set `fetch_wakeups` false there.
 
-How: every consumer of a stage whose inputs come from other stages binds a Unix datagram
-socket in a folder per stage, shared by the pipeline's processes on this machine
-(`wake_folder`). A stage process, once the broker acknowledged a record, sends an empty datagram
-to every socket of the stage that reads the record's topic (`WakeSender`). The consumer holds
-each fetch until a datagram comes (the broker then holds it briefly: FetchGate.hold_ms), or a
-wait runs out: the short polling wait after a fetch that found records, the fallback after an empty one
-(`FetchGate`, used by streams/transport.py). A hop then costs a datagram and a fetch or two
-instead of a poll every 20 ms.
+How: every stage consumer binds a Unix datagram socket in a folder per stage, shared by the
+pipeline's processes on this machine (`wake_folder`). A stage process, once the broker
+acknowledged a record, sends an empty datagram to every socket of the stage that reads the
+record's topic (`WakeSender`); so do the project's producers of events (mmpipe.client's
+Publisher, the job API) for the first stage. The consumer holds each fetch until a datagram
+comes (the broker then holds it briefly: FetchGate.hold_ms), or a wait runs out: the short
+polling wait after a fetch that found records, the fallback after an empty one (`FetchGate`,
+used by streams/transport.py). A hop then costs a datagram and a fetch or two instead of a
+poll every 20 ms.
 
 What cannot be lost: a datagram that never arrives (the producer is on another machine, or
 crashed between its ack and the datagram) delays its record by at most the fallback; a full
 socket queue drops a datagram only when others are waiting to be read. A consumer that finds
 records after waits no wake-up ended, and has had no wake-up for `UNANNOUNCED_HOLD_S`, has
 producers that never send them (another machine, an external client): it polls exactly as
-without wake-ups (the broker holds each fetch for the polling wait) until one comes.
+without wake-ups (the broker holds each fetch for the polling wait) until one comes. The cost
+of mixing both kinds of producer on one topic: while announced records keep coming, an
+unannounced one waits up to the fallback.
 """
 
 from __future__ import annotations
@@ -55,10 +58,11 @@ def wake_folder(state_dir: Path, bootstrap: str, topic_prefix: str, stage: str) 
 
 
 def listening_folder(settings: Settings, stage: str) -> Path | None:
-    """Where `stage`'s consumers listen for wake-ups; None where they poll: wake-ups off, or the
-    first stage, whose input comes from outside the pipeline."""
-    fed = {downstream for spec in pipeline_of(settings) for _, downstream in spec.outputs()}
-    if not settings.fetch_wakeups or stage not in fed:
+    """Where `stage`'s consumers listen for wake-ups; None where they poll: wake-ups off, or a
+    stage these settings do not run. The first stage listens too: the project's own producers
+    (mmpipe.client's Publisher, the job API) send them; records from producers that do not are
+    noticed and polled for (FetchGate)."""
+    if not settings.fetch_wakeups or stage not in {spec.name for spec in pipeline_of(settings)}:
         return None
     return wake_folder(settings.state_dir, settings.bootstrap, settings.topic_prefix, stage)
 
@@ -229,3 +233,8 @@ class WakeSender:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def wake_sender(settings: Settings) -> WakeSender | None:
+    """The sender a producer of records for the pipeline's stages uses; None with wake-ups off."""
+    return WakeSender(reader_folders(settings)) if settings.fetch_wakeups else None

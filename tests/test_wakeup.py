@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mmpipe.client import make_event
+from mmpipe.client import Publisher, make_event
 from mmpipe.schemas.settings import Settings
 from mmpipe.supervisor import Pipeline
 from mmpipe.streams import wakeup
@@ -117,13 +117,14 @@ def test_a_socket_left_by_a_killed_process_is_removed_and_a_missing_folder_is_no
     assert not (folder / "12345").exists()
 
 
-def test_only_stages_fed_by_stages_listen_and_socket_paths_stay_short(tmp_path):
+def test_every_stage_run_listens_and_socket_paths_stay_short(tmp_path):
     deep = tmp_path / ("x" * 150)
     settings = Settings(state_dir=deep, topic_prefix="mm", fetch_wakeups=True)
-    assert listening_folder(settings, "decode") is None  # its events come from outside
     folders = reader_folders(settings)
-    assert set(folders) == {"mm.decoded", "mm.decoded.high", "mm.ready", "mm.ready.high", "mm.predictions",
-                            "mm.dead-letter", "mm.status"}
+    assert set(folders) == {"mm.events", "mm.events.high", "mm.decoded", "mm.decoded.high", "mm.ready",
+                            "mm.ready.high", "mm.predictions", "mm.dead-letter", "mm.status"}
+    assert folders["mm.events"] == listening_folder(settings, "decode")  # told by the project's producers
+    assert listening_folder(settings, "no-such-stage") is None
     socket_path = folders["mm.ready"] / str(2 ** 22)  # the largest pid
     assert len(os.fsencode(socket_path)) < 108  # sun_path's limit
     assert reader_folders(settings.model_copy(update={"fetch_wakeups": False})) == {}
@@ -131,7 +132,7 @@ def test_only_stages_fed_by_stages_listen_and_socket_paths_stay_short(tmp_path):
     assert wakeup.listening_folder(other, "sink") != listening_folder(settings, "sink")  # one folder per pipeline
 
 
-@pytest.mark.parametrize("stage", ["preprocess", "inference", "sink"])
+@pytest.mark.parametrize("stage", ["decode", "preprocess", "inference", "sink"])
 def test_listening_folders_are_per_stage(stage):
     settings = Settings(state_dir=Path("/tmp/state"))
     folder = listening_folder(settings, stage)
@@ -199,3 +200,29 @@ def test_a_stage_whose_producer_sends_no_wake_ups_polls_and_loses_nothing(broker
     later = sorted(results[job_id].timings.queue_preprocess_ms for job_id in job_ids[4:])
     assert later[-1] < fallback_ms / 2, later  # polled, not held until the fallback
     assert "records arrive without wake-ups: polling" in (tmp_path / "preprocess-0.log").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_the_publisher_wakes_the_decode_stage_once_the_broker_has_its_event(broker, tmp_path, media_dir):
+    """The project's producer of events announces them, as a stage does its records, so decode
+    fetches on wake-ups instead of polling; the wake-up follows the broker's acknowledgement."""
+    settings = make_settings(broker.bootstrap, tmp_path, media_dir, fetch_wakeups=True)
+
+    async def run() -> None:
+        gate = FetchGate(fallback_ms=60_000)
+        listener = WakeListener(listening_folder(settings, "decode"), gate)
+        listener.start()
+        try:
+            async with Publisher(settings) as publisher:
+                await publisher.publish(make_event("text", text="one"))
+                await asyncio.wait_for(gate.woken.wait(), 5)
+                gate.woken.clear()
+                await publisher.publish_many([make_event("text", text="two", priority=0),
+                                              make_event("text", text="three")])
+                await asyncio.wait_for(gate.woken.wait(), 5)  # both lanes are decode's
+        finally:
+            listener.close()
+        quiet = Publisher(settings.model_copy(update={"fetch_wakeups": False}))
+        assert quiet._wakes is None  # wake-ups off (Apache Kafka): nothing is sent
+
+    asyncio.run(run())
