@@ -65,6 +65,11 @@ class DownstreamAdmission:
         """True once a lag read-out arrived (before it nothing is held)."""
         return bool(self._lag)
 
+    @property
+    def holding(self) -> bool:
+        """Whether a partition is held for the next stage's lag (only a read-out releases it)."""
+        return any(self._told.values())
+
     def update(self, lag_by_partition: dict[int, int]) -> None:
         """A fresh read-out of the next stage's lag: replaces the estimate."""
         self._lag = dict(lag_by_partition)

@@ -61,13 +61,17 @@ class AdaptiveFetchWait:
 @dataclass
 class LagReadSchedule:
     """When a stage's periodic lag read-out (its group's lag and the next stage's) is worth its
-    requests. After a read-out that found no lag anywhere, the figures cannot change until this
-    stage's consumer fetches records again (its input's end offsets only grow by records it
-    will fetch; its output only grows by what it sends), so reads pause until then, with one
-    read every `idle_interval_s` regardless. Clock: the one the fetch wait is fed with."""
+    requests. After a read-out that found this stage with no lag of its own (nothing unfetched,
+    nothing in flight) and no partition held for the next stage's lag, nothing it reads can
+    matter until its consumer fetches records again: its own figures change only by records it
+    will fetch, and the next stage's lag only falls until this stage sends more, which it
+    admits against a fresh read-out. So reads pause until then, with one read every
+    `idle_interval_s` regardless (a stage that only forwards an idle stage's figures, decode's
+    bypass leaving preprocess without work, stops reading at once). Clock: the one the fetch
+    wait is fed with."""
 
     idle_interval_s: float
-    _quiet_read_at: float | None = None  # the last read-out that found no lag anywhere
+    _quiet_read_at: float | None = None  # the last read-out that found nothing to do here
 
     def due(self, fetch_wait: AdaptiveFetchWait, now: float) -> bool:
         quiet_at = self._quiet_read_at
@@ -75,8 +79,9 @@ class LagReadSchedule:
             return True
         return now - quiet_at >= self.idle_interval_s
 
-    def read(self, total_lag: int, now: float) -> None:
-        self._quiet_read_at = now if total_lag <= 0 else None
+    def read(self, own_lag: int, holding: bool, now: float) -> None:
+        """`holding`: a partition is paused for the next stage's lag; only a read releases it."""
+        self._quiet_read_at = now if own_lag <= 0 and not holding else None
 
 
 @dataclass

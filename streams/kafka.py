@@ -138,8 +138,9 @@ class PartitionLag:
 
 class LagReader:
     """Reads end offsets and a group's committed offsets without joining the group
-    (what kafka-consumer-groups --describe shows): one ListOffsets request through a
-    group-less consumer and one OffsetFetch per group through the admin client."""
+    (what kafka-consumer-groups --describe shows): one end-offsets request (a fetch past the
+    end, or ListOffsets) through a group-less consumer and one OffsetFetch per group through
+    the admin client."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -163,17 +164,23 @@ class LagReader:
         return self._admin
 
     async def read(self, group: str, topics: list[str]) -> list[PartitionLag]:
+        return (await self.read_groups([(group, topics)]))[0]
+
+    async def read_groups(self, reads: list[tuple[str, list[str]]]) -> list[list[PartitionLag]]:
+        """The lag of each (group, topics): the end offsets of all their topics in one request,
+        then one OffsetFetch per group."""
         consumer = await self._metadata_consumer()
-        tps = [
-            TopicPartition(topic, p)
-            for topic in topics
-            for p in sorted(consumer.partitions_for_topic(topic) or await _partitions(consumer, topic))
-        ]
-        if not tps:
-            return []
-        ends = await self.end_offsets(consumer, tps)
-        committed = await self.committed(group, tps)
-        return [PartitionLag(group, tp.topic, tp.partition, ends[tp], committed.get(tp)) for tp in tps]
+        tps_of = [[TopicPartition(topic, p) for topic in topics for p in sorted(await _partitions_of(consumer, topic))]
+                  for _, topics in reads]
+        every_tp = list(dict.fromkeys(tp for tps in tps_of for tp in tps))
+        if not every_tp:
+            return [[] for _ in reads]
+        ends = await self.end_offsets(consumer, every_tp)
+        rows = []
+        for (group, _), tps in zip(reads, tps_of):
+            committed = await self.committed(group, tps) if tps else {}
+            rows.append([PartitionLag(group, tp.topic, tp.partition, ends[tp], committed.get(tp)) for tp in tps])
+        return rows
 
     async def end_offsets(self, consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         if self.settings.end_offsets_from_fetch and not self._fetch_refused:
@@ -268,6 +275,9 @@ async def high_watermarks(consumer: AIOKafkaConsumer, tps: list[TopicPartition])
     return ends
 
 
-async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    known = consumer.partitions_for_topic(topic)
+    if known:
+        return known
     await consumer.topics()  # refreshes cluster metadata for every topic
     return consumer.partitions_for_topic(topic) or set()

@@ -76,9 +76,9 @@ def test_slow_inference_pauses_upstream_with_bounded_backlog_then_drains(slow_pi
     deadline = time.monotonic() + 240
     store_done = False
     while time.monotonic() < deadline and not store_done:
-        pre = scrape(ports["preprocess"])
+        inf = scrape(ports["inference"])
         dec = scrape(ports["decode"])
-        peak_ready_lag = max([peak_ready_lag, *metric(pre, "mm_consumer_lag", group=f"{prefix}-inference")])
+        peak_ready_lag = max([peak_ready_lag, *metric(inf, "mm_consumer_lag", group=f"{prefix}-inference")])
         peak_decode_lag = max([peak_decode_lag, sum(metric(dec, "mm_consumer_lag", group=f"{prefix}-decode"))])
         decode_paused_seen |= any(v == 1 for v in metric(dec, "mm_partition_paused", stage="decode"))
         for stage in STAGE_NAMES:

@@ -3,7 +3,7 @@
 
 import asyncio
 
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from mmpipe.schemas.settings import Settings
@@ -97,5 +97,43 @@ def test_a_leader_not_known_yet_reads_list_offsets_once_and_keeps_the_fetch(brok
         finally:
             await reader.close()
         assert len(calls) == 2  # still the fetch on the second read
+
+    asyncio.run(run())
+
+
+def test_one_read_out_of_several_groups_asks_for_all_their_end_offsets_at_once(broker, monkeypatch):
+    """A stage reads its own group's lag and the next stages': one end-offsets request for all
+    their topics, each group's committed offsets its own."""
+    async def run() -> None:
+        settings = Settings(bootstrap=broker.bootstrap)
+        await create(broker.bootstrap, "lag-in", "lag-out")
+        await produce(make_producer(settings), "lag-in", {0: 3, 1: 1})
+        await produce(make_producer(settings), "lag-out", {1: 2})
+        consumer = AIOKafkaConsumer(bootstrap_servers=broker.bootstrap, group_id="lag-in-group",
+                                    enable_auto_commit=False)
+        await consumer.start()
+        try:
+            consumer.assign([TopicPartition("lag-in", 0)])
+            await consumer.commit({TopicPartition("lag-in", 0): 2})
+        finally:
+            await consumer.stop()
+        calls = []
+        real = kafka.high_watermarks
+
+        async def counted(consumer, tps):
+            calls.append(sorted(tps))
+            return await real(consumer, tps)
+
+        monkeypatch.setattr(kafka, "high_watermarks", counted)
+        reader = LagReader(settings)
+        try:
+            own, downstream = await reader.read_groups([("lag-in-group", ["lag-in"]), ("lag-out-group", ["lag-out"])])
+        finally:
+            await reader.close()
+        assert {(r.group, r.partition, r.end_offset, r.lag) for r in own} == {
+            ("lag-in-group", 0, 3, 1), ("lag-in-group", 1, 1, 1)}
+        assert {(r.group, r.partition, r.end_offset, r.lag) for r in downstream} == {
+            ("lag-out-group", 0, 0, 0), ("lag-out-group", 1, 2, 2)}
+        assert len(calls) == 1 and {tp.topic for tp in calls[0]} == {"lag-in", "lag-out"}
 
     asyncio.run(run())

@@ -45,17 +45,19 @@ def test_no_backoff_when_disabled():
     assert policy.wait_ms == 20
 
 
-def test_lag_reads_pause_only_after_a_read_with_no_lag_and_resume_on_records():
+def test_lag_reads_pause_only_after_a_read_with_nothing_to_do_here_and_resume_on_records():
     fetches = AdaptiveFetchWait(base_ms=20, idle_max_ms=500, idle_after_s=1.0)
     schedule = LagReadSchedule(idle_interval_s=10.0)
     assert schedule.due(fetches, 0.0)
-    schedule.read(total_lag=3, now=0.0)
-    assert schedule.due(fetches, 0.5)  # lag seen: keep reading
-    schedule.read(total_lag=0, now=1.0)
-    assert not schedule.due(fetches, 1.5)
+    schedule.read(own_lag=3, holding=False, now=0.0)
+    assert schedule.due(fetches, 0.5)  # work of its own: keep reading
+    schedule.read(own_lag=0, holding=True, now=0.6)
+    assert schedule.due(fetches, 1.0)  # a partition held for the next stage: only a read frees it
+    schedule.read(own_lag=0, holding=False, now=1.0)
+    assert not schedule.due(fetches, 1.5)  # whatever the next stage's lag: nothing here to admit
     assert not schedule.due(fetches, 10.9)
     assert schedule.due(fetches, 11.0)  # the periodic read while idle
-    schedule.read(total_lag=0, now=11.0)
+    schedule.read(own_lag=0, holding=False, now=11.0)
     fetches.after_fetch(True, 11.2)
     assert schedule.due(fetches, 11.5)  # records arrived since the quiet read
 
