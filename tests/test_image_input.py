@@ -1,13 +1,17 @@
 """Image crops travel as uint8 and are normalised by the model: the same input as torchvision's
 float pipeline, at half the bytes of the float16 crops sent before."""
 
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import av
 import numpy as np
 import pytest
 import torch
 from torchvision.transforms import v2
 
 from mmpipe.models.image_classifier import resnet18_spec
-from mmpipe.stages.decode import samples
+from mmpipe.stages.decode import media, samples
 from mmpipe.stages.decode.media import DecodeLimits, decode_image, decode_video
 
 
@@ -66,3 +70,27 @@ def test_video_frames_are_cut_to_the_centre_crop_too():
     media = decode_video(clip, limits)
     assert media.frames and all(f.center_crop == 224 and f.rgb.shape == (224, 224, 3) for f in media.frames)
 
+
+
+def test_the_kept_scaling_context_follows_each_frame_and_thread():
+    """decode keeps one swscale context per thread (media._reformatter): images of other sizes,
+    one after another, and the same images on another thread, come out pixel for pixel as a
+    fresh conversion of each frame (VideoFrame.to_ndarray, what decode did before) makes them."""
+    limits = DecodeLimits(image_short_side=256)
+    images = [samples.encode_image(samples.synthetic_picture(w, h, seed=w), "jpeg") for w, h in
+              [(640, 480), (300, 600), (640, 480), (1024, 300), (320, 320)]]
+
+    def fresh(image: bytes) -> np.ndarray:
+        with av.open(io.BytesIO(image), format="jpeg_pipe") as container:
+            frame = next(container.decode(video=0))
+            width, height = media._scaled_size(frame.width, frame.height, limits.image_short_side)
+            return frame.to_ndarray(width=width, height=height, format="rgb24", interpolation="AREA")
+
+    expected = [fresh(image) for image in images]
+    assert [decode_image(image, limits).frames[0].rgb.shape for image in images] == [e.shape for e in expected]
+    assert all(np.array_equal(decode_image(image, limits).frames[0].rgb, e) for image, e in zip(images, expected))
+    with ThreadPoolExecutor(2) as pool:
+        threaded = list(pool.map(lambda image: decode_image(image, limits).frames[0].rgb, images * 4))
+        contexts = set(pool.map(lambda _: id(media._reformatter()), range(8)))
+    assert all(np.array_equal(rgb, expected[i % len(images)]) for i, rgb in enumerate(threaded))
+    assert media._reformatter() is media._reformatter() and id(media._reformatter()) not in contexts

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from mmpipe.schemas.errors import Refused
 
@@ -55,7 +57,7 @@ class DecodeLimits:
     video_max_seconds: float = 600.0
     video_max_source_frames: int = 36_000  # frames the codec may decode (10 min at 60 fps)
     max_pixels: int = MAX_PIXELS
-    threads: int = 1  # codec threads per decode
+    threads: int = 1  # codec and swscale threads per decode
 
 
 @dataclass
@@ -284,12 +286,25 @@ def _to_frame(index: int, time_s: float, frame: av.VideoFrame, limits: DecodeLim
         raise MediaError("extreme_aspect_ratio",
                          f"{frame.width}x{frame.height}: one side is more than {MAX_ASPECT_RATIO} times the other")
     width, height = _scaled_size(frame.width, frame.height, limits.image_short_side)
-    # One swscale pass converts YUV->RGB and downscales (bilinear, area-ish for shrink).
-    rgb = frame.to_ndarray(width=width, height=height, format="rgb24", interpolation="AREA")
+    # One swscale pass converts YUV->RGB and downscales (area averaging for shrink).
+    rgb = _reformatter().reformat(frame, width=width, height=height, format="rgb24", interpolation="AREA",
+                                  threads=limits.threads).to_ndarray()
     crop = limits.image_center_crop
     if crop and limits.image_short_side and min(width, height) == limits.image_short_side >= crop:
         return DecodedFrame(index, time_s, _center_crop(rgb, crop), center_crop=crop)
     return DecodedFrame(index, time_s, rgb)
+
+
+_thread_state = threading.local()
+
+
+def _reformatter() -> VideoReformatter:
+    """This thread's swscale context, kept while frames keep their size and format.
+    VideoFrame.to_ndarray builds one per frame, with as many threads as the machine has cores:
+    0.9 of the 2.9 CPU ms a 640x480 JPEG took (benchmarks/results/decode-scale-cost-2026-12-07.txt)."""
+    if not hasattr(_thread_state, "reformatter"):
+        _thread_state.reformatter = VideoReformatter()
+    return _thread_state.reformatter
 
 
 def _center_crop(rgb: np.ndarray, side: int) -> np.ndarray:
