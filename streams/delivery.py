@@ -84,6 +84,15 @@ def make_faust_app(stage_name: str, settings: Settings) -> faust.App:
     )
 
 
+def use_event_loop(kind: str) -> None:
+    """The loop every asyncio.get_event_loop() of this process makes from now on; before the
+    faust worker makes its own."""
+    if kind == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def quiet_worker(app: faust.App, loglevel: str) -> faust.Worker:
     """A faust worker without its terminal spinner. To advance the spinner on every log call,
     faust sets the root logger to DEBUG, so every library debug call in the hot path (aiokafka
@@ -261,12 +270,14 @@ class StageRuntime:
         affinity.pin_pipeline_process(self.settings.model_cpus)  # before any thread starts
         self.stage.setup()
         serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
+        use_event_loop(self.settings.event_loop)
         quiet_worker(self.app, self.settings.log_level).execute_from_commandline()
 
     async def _on_startup(self) -> None:
         await self.stage.start()
         self._started.set()
-        log.info("stage %s started; consuming %s", self.stage.name, ", ".join(self.stage.input_topics))
+        log.info("stage %s started on %s; consuming %s", self.stage.name, type(asyncio.get_running_loop()).__module__,
+                 ", ".join(self.stage.input_topics))
 
     async def _on_shutdown(self, app: Any, **_: Any) -> None:
         await self.stage.stop()

@@ -39,7 +39,8 @@ TOPIC_READ_TIMEOUT_S = 60.0
 def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Settings overrides per variant; the first ("adaptive") is what the pipeline already runs.
     Where it runs each consumer on the stage's loop (streams/transport.py), "consumer thread"
-    is the same on faust's consumer thread; where it uses wake-ups between stages
+    is the same on faust's consumer thread; where stages run on uvloop, "asyncio loop" runs
+    them on asyncio's own loop; where it uses wake-ups between stages
     (streams/wakeup.py), "no wake-ups" is the same polling; where decode cuts frames to the
     model's centre crop, "whole frames" sends them whole; where decode places the parts it
     already made model-ready onto `ready` itself, "no bypass" sends every part through
@@ -51,6 +52,8 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
     out: dict[str, dict[str, Any]] = {"adaptive": {}}
     if not settings.consumer_in_thread:
         out["consumer thread"] = {"consumer_in_thread": True}
+    if settings.event_loop != "asyncio":
+        out["asyncio loop"] = {"event_loop": "asyncio"}
     if settings.fetch_wakeups:
         out["no wake-ups"] = {"fetch_wakeups": False}
     if settings.decode_center_crop:
@@ -60,7 +63,7 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
     if not settings.fuse_preprocess:
         out["fused"] = {"fuse_preprocess": True}
     out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": [],
-                      "fetch_wakeups": False, "consumer_in_thread": True}
+                      "fetch_wakeups": False, "consumer_in_thread": True, "event_loop": "asyncio"}
     unknown = set(only) - set(out)
     if unknown:
         raise ValueError(f"unknown efficiency variant(s) {', '.join(sorted(unknown))}; these settings have {', '.join(out)}")

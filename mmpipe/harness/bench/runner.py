@@ -47,7 +47,7 @@ REPORTED_SETTINGS = {
     "partitions", "fetch_max_wait_ms", "commit_interval_s", "inflight_high_per_partition", "max_inflight",
     "stream_buffer_maxsize", "decode_workers", "decode_threads", "inference_workers", "torch_threads",
     "video_sample_fps", "video_max_frames", "models", "device", "fetch_idle_max_wait_ms", "lag_idle_interval_s", "model_cpus",
-    "graph_mode", "fetch_wakeups", "fetch_wake_fallback_ms", "consumer_in_thread",
+    "graph_mode", "fetch_wakeups", "fetch_wake_fallback_ms", "consumer_in_thread", "event_loop",
 }
 
 
