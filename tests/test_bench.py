@@ -385,6 +385,10 @@ def test_efficiency_rounds_are_averaged_leaf_by_leaf_and_kept():
     assert merged["saturation"]["cpu"]["per_process_ms"] == {"broker": 7.5, "sink-0": 4.5}
     assert merged["settings"] == {"fetch_wakeups": True, "model_cpus": [1]}  # not numbers: the first round's
     assert merged["rounds"] == [one, two]
+    # The judged figure is the mean of rounds; its median is reported beside it.
+    rounds = [{"saturation": {"cpu": {"outside_model_ms": x}}} for x in (14.0, 25.0, 15.0, 16.0)]
+    assert efficiency.mean_of_rounds(rounds)["saturation"]["cpu"]["outside_model_ms"] == 17.5
+    assert efficiency.median_outside_model_ms(rounds) == 15.5
 
 
 def test_a_stage_s_cpu_includes_its_worker_processes_and_the_ones_it_reaped():

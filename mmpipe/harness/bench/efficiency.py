@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
 from typing import Any
 
@@ -137,6 +138,11 @@ def cpu_per_job(run: dict[str, Any], model_ms_per_item: float, probe_vs_start: f
 def outside_model_ms(cpu: dict[str, Any]) -> float:
     """The judged figure: against the model's speed at the round's probe where there is one."""
     return cpu.get("outside_model_at_probe_ms", cpu["outside_model_ms"])
+
+
+def median_outside_model_ms(rounds: list[dict[str, Any]]) -> float:
+    """The judged figure's median over a variant's rounds (reported beside the mean, which is judged)."""
+    return round(statistics.median(outside_model_ms(r["saturation"]["cpu"]) for r in rounds), 1)
 
 
 def first_job_ms(results: list[JobResult]) -> float | None:

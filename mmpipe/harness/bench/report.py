@@ -209,6 +209,9 @@ def efficiency_rows(eff: dict[str, Any]) -> list[tuple[str, list[float | None]]]
         row("execute inflation (in pipeline / alone)", lambda v: v["saturation"]["execute_inflation"]),
     ]
     rounds = _rounds(variants)
+    if rounds > 2:  # one slow round (the host, not the pipeline) moves a mean; a median less
+        rows.append(row("CPU ms/job outside the model, at the probe, median of rounds",
+                        lambda v: efficiency.median_outside_model_ms(v["rounds"])))
     if rounds > 1:  # the spread between a variant's rounds, beside the ratios of their means
         for label, get in (("CPU ms/job outside the model, at the probe", lambda r: efficiency.outside_model_ms(r["saturation"]["cpu"])),
                            ("saturation jobs/s", lambda r: r["saturation"]["throughput"]),
