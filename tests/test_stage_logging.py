@@ -10,7 +10,7 @@ import faust
 import pytest
 
 from mmpipe.cli import logging_level
-from mmpipe.streams.delivery import quiet_worker
+from mmpipe.streams.delivery import quiet_worker, use_event_loop
 
 
 @pytest.fixture
@@ -39,3 +39,21 @@ def test_the_stage_worker_leaves_the_root_logger_at_its_level(root_logger):
 def test_configured_log_levels_map_to_the_logging_modules_names(configured, level):
     assert logging_level(configured) == level
     assert isinstance(logging.getLevelName(level), int)  # a name the logging module knows
+
+
+@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
+def test_the_stage_worker_runs_on_the_configured_event_loop(kind):
+    """StageRuntime.run sets the loop policy before the faust worker makes its loop."""
+    import asyncio
+
+    import uvloop
+
+    app = faust.App(f"t-loop-{kind}", broker="kafka://127.0.0.1:9", web_enabled=False)
+    try:
+        use_event_loop(kind)
+        loop = quiet_worker(app, "warn").loop
+        assert isinstance(loop, uvloop.Loop) == (kind == "uvloop")
+        loop.close()
+    finally:
+        asyncio.set_event_loop_policy(None)
+        asyncio.set_event_loop(None)
