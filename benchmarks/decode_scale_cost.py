@@ -9,9 +9,10 @@ order, the bench's eight noisy 640x480 JPEGs scaled to resnet18's 256 short side
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from av.video.reformatter import VideoReformatter
 
@@ -23,8 +24,15 @@ KEPT = DecodeLimits(image_short_side=256, image_center_crop=224)
 PER_FRAME = DecodeLimits(image_short_side=256, image_center_crop=224, threads=0)  # 0: PyAV's default, a thread per core
 
 
-def per_frame_context() -> VideoReformatter:
-    return VideoReformatter()  # what to_ndarray does: a fresh context for every frame
+@contextlib.contextmanager
+def contexts_per_frame() -> Iterator[None]:
+    """decode as it was: a fresh swscale context for every frame (what to_ndarray does)."""
+    kept = media._reformatter
+    media._reformatter = VideoReformatter
+    try:
+        yield
+    finally:
+        media._reformatter = kept
 
 
 def cost(images: list[bytes], limits: DecodeLimits, count: int) -> tuple[float, float]:
@@ -41,14 +49,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     images = [_image(i) for i in range(IMAGE_VARIANTS)]
-    kept_context = media._reformatter
 
     def before() -> tuple[float, float]:
-        media._reformatter = per_frame_context
-        try:
+        with contexts_per_frame():
             return cost(images, PER_FRAME, args.images)
-        finally:
-            media._reformatter = kept_context
 
     def now() -> tuple[float, float]:
         return cost(images, KEPT, args.images)
@@ -72,12 +76,8 @@ def main() -> None:
 
 
 def _before_rgb(image: bytes):  # noqa: ANN202 - an array
-    kept_context = media._reformatter
-    media._reformatter = per_frame_context
-    try:
+    with contexts_per_frame():
         return decode_image(image, PER_FRAME).frames[0].rgb
-    finally:
-        media._reformatter = kept_context
 
 
 if __name__ == "__main__":

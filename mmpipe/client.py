@@ -102,9 +102,11 @@ class Publisher:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._producer.stop()
-        if self._wakes is not None:
-            self._wakes.close()
+        try:
+            await self._producer.stop()
+        finally:
+            if self._wakes is not None:
+                self._wakes.close()
 
     async def publish(self, event: MediaEvent) -> None:
         topic = self.topics.lane(EVENTS, event.priority)
