@@ -160,14 +160,14 @@ class BrokerLink:
         producer = await self.producer()
         topic = self.topics.lane(EVENTS, event.priority)  # high priority: the events topic's high lane
         try:
-            await asyncio.wait_for(
+            record = await asyncio.wait_for(
                 producer.send_and_wait(topic, encode_event(event), key=event.job_id.encode()),
                 PUBLISH_TIMEOUT_S,
             )
         except (KafkaError, asyncio.TimeoutError) as exc:
             raise BrokerUnavailable(f"publishing to {topic} failed: {_describe(exc)}") from exc
         if self._wakes is not None:
-            self._wakes.notify(topic)
+            self._wakes.notify(topic, record.partition, record.offset)
 
     async def check(self, timeout_s: float) -> None:
         """A metadata request over the producer's connection: the broker answers or it is down."""

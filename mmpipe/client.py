@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import RecordMetadata
 
 from mmpipe.schemas.settings import Settings
 from mmpipe.schemas import SCHEMA_VERSION, JobResult, MediaEvent, ModelRef, Payload, decode_result, encode_event
@@ -110,26 +111,29 @@ class Publisher:
 
     async def publish(self, event: MediaEvent) -> None:
         topic = self.topics.lane(EVENTS, event.priority)
-        await self._producer.send_and_wait(topic, encode_event(event), key=event.job_id.encode())
-        self._announce([topic])
+        self._announce([await self._producer.send_and_wait(topic, encode_event(event), key=event.job_id.encode())])
 
     async def publish_raw(self, key: bytes | None, value: bytes, topic: str | None = None) -> None:
         """For tests and fault injection: put arbitrary bytes on the events topic (or `topic`)."""
-        await self._producer.send_and_wait(topic or self.topic, value, key=key)
-        self._announce([topic or self.topic])
+        self._announce([await self._producer.send_and_wait(topic or self.topic, value, key=key)])
 
     async def publish_many(self, events: Iterable[MediaEvent]) -> int:
         sent = [(self.topics.lane(EVENTS, e.priority), e) for e in events]
         futures = [await self._producer.send(topic, encode_event(e), key=e.job_id.encode()) for topic, e in sent]
-        await asyncio.gather(*futures)
-        self._announce({topic for topic, _ in sent})
+        self._announce(await asyncio.gather(*futures))
         return len(futures)
 
-    def _announce(self, topics: Iterable[str]) -> None:
-        """After the broker acknowledged records on `topics`: one wake-up per topic."""
-        if self._wakes is not None:
-            for topic in topics:
-                self._wakes.notify(topic)
+    def _announce(self, records: Iterable[RecordMetadata]) -> None:
+        """After the broker acknowledged `records`: a wake-up naming the last of each partition
+        (its reader tells news from records it already fetched: streams/wakeup.py)."""
+        if self._wakes is None:
+            return
+        last: dict[tuple[str, int], int] = {}
+        for record in records:
+            key = (record.topic, record.partition)
+            last[key] = max(record.offset, last.get(key, record.offset))
+        for (topic, partition), offset in last.items():
+            self._wakes.notify(topic, partition, offset)
 
 
 def results_reader(settings: Settings, *topics: str, offset_reset: str) -> AIOKafkaConsumer:

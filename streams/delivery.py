@@ -330,7 +330,8 @@ class StageRuntime:
     def _wake_reader(self, topic: str, acked: asyncio.Future[Any]) -> None:
         """The record is in the log: tell the stage that reads it (streams/wakeup.py)."""
         if self._wakes is not None and not acked.cancelled() and acked.exception() is None:
-            self._wakes.notify(topic)
+            record = acked.result()
+            self._wakes.notify(topic, record.partition, record.offset)
 
     # Lag and admission ----------------------------------------------------------------------
     async def _admit(self, message: Incoming, priority: int) -> bool:

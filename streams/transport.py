@@ -21,8 +21,10 @@
    arrives and snaps back on the first records (see streams/fetch_wait.py); faust's wait for
    records follows it, so neither thread wakes more often than the broker answers.
 6. With wake-ups (streams/wakeup.py), a consumer whose producers are co-located stages asks for
-   fetches answered at once and, after one that found nothing, waits for a producer's wake-up
-   (or the fallback) before the next: it fetches when records are there, not 50 times a second.
+   fetches answered at once and waits for a producer's wake-up (or the fallback) before the
+   next, unless the broker's last answer already reported records past its offsets
+   (`records_known`): it fetches when records are there, not 50 times a second, nor once more
+   after each answer to find nothing.
 7. One event loop per process (unless `consumer_in_thread`). faust runs the aiokafka consumer
    on a thread with a loop of its own and hands every fetch, commit and seek across with a
    method queue and a future on each side; each hand-off wakes the other loop through its
@@ -44,6 +46,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+import functools
 import logging
 import time
 from typing import Any
@@ -93,7 +96,8 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         await super().on_start()
         gate = None
         if WAKE_FOLDER is not None:
-            gate = FetchGate(WAKE_FALLBACK_MS, hold_ms=FETCH_WAIT.base_ms)
+            gate = FetchGate(WAKE_FALLBACK_MS, hold_ms=FETCH_WAIT.base_ms,
+                             known_end=functools.partial(known_end, self._consumer._subscription))  # noqa: SLF001
             WAKE = WakeListener(WAKE_FOLDER, gate)
             WAKE.start()
         adapt_fetch_wait(self._consumer._fetcher, FETCH_WAIT, gate)  # noqa: SLF001
@@ -154,8 +158,11 @@ def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait, gate: FetchGate | 
     short = ShortFetchWait()
 
     async def proc_fetch_request(assignment: Any, node_id: int, request: Any) -> bool:
-        if gate is not None and not await gate.wait():
-            return False  # cancelled: the fetcher is closing or the assignment changed
+        if gate is not None:
+            if records_known(assignment, request):
+                gate.fetch_at_once()  # the last answer reported more than this fetch's offsets
+            if not await gate.wait():
+                return False  # cancelled: the fetcher is closing or the assignment changed
         got_records = await process(assignment, node_id, request)
         now = time.monotonic()
         poll_ms = policy.after_fetch(got_records, now)
@@ -177,6 +184,29 @@ def adapt_fetch_wait(fetcher: Any, policy: AdaptiveFetchWait, gate: FetchGate | 
         return got_records
 
     fetcher._proc_fetch_request = proc_fetch_request  # noqa: SLF001
+
+
+def known_end(subscriptions: Any, topic: str, partition: int) -> int | None:
+    """A partition's high watermark in the broker's last answer to this consumer (None: not
+    assigned here, or not fetched yet)."""
+    subscription = subscriptions.subscription
+    if subscription is None or subscription.assignment is None:
+        return None
+    state = subscription.assignment.state_value(TopicPartition(topic, partition))
+    return None if state is None else state.highwater
+
+
+def records_known(assignment: Any, request: Any) -> bool:
+    """Whether the broker's last answer reported records at or past a partition's offset in this
+    request (its high watermark is beyond it): a fetch size limit left them, or more came while
+    the last ones were handled. A partition whose consumer caught up has nothing known: records
+    after that are announced by a wake-up."""
+    for topic, partitions in request.topics:
+        for partition, offset, _max_bytes in partitions:
+            state = assignment.state_value(TopicPartition(topic, partition))
+            if state is not None and state.highwater is not None and state.highwater > offset:
+                return True
+    return False
 
 
 def fetch_cut_short(fetcher: Any, assignment: Any, request: Any) -> bool:

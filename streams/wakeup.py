@@ -9,12 +9,12 @@ this; set `fetch_wakeups` false there.
 
 How: every stage consumer binds a Unix datagram socket in a folder per stage, shared by the
 pipeline's processes on this machine (`wake_folder`). A stage process, once the broker
-acknowledged a record, sends an empty datagram to every socket of the stage that reads the
-record's topic (`WakeSender`); so do the project's producers of events (mmpipe.client's
-Publisher, the job API) for the first stage. The consumer holds each fetch until a datagram
-comes (the broker then holds it briefly: FetchGate.hold_ms), or a wait runs out: the short
-polling wait after a fetch that found records, the fallback after an empty one (`FetchGate`,
-used by streams/transport.py). A hop then costs a datagram and a fetch or two instead of a
+acknowledged a record, sends a datagram naming it (topic, partition, offset) to every socket of
+the stage that reads the record's topic (`WakeSender`); so do the project's producers of events
+(mmpipe.client's Publisher, the job API) for the first stage. The consumer holds each fetch until a datagram
+comes (the broker then holds it briefly: FetchGate.hold_ms) or the fallback runs out, unless
+the broker's last answer reported records past its offsets (`FetchGate`, used by
+streams/transport.py). A hop then costs a datagram and a fetch or two instead of a
 poll every 20 ms.
 
 What cannot be lost: a datagram that never arrives (the producer is on another machine, or
@@ -37,6 +37,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,13 +78,34 @@ def reader_folders(settings: Settings) -> dict[str, Path]:
     return folders
 
 
+# A partition's end in the broker's last answer to this consumer (None: not known here).
+KnownEnd = Callable[[str, int], "int | None"]
+
+
+def wake_payload(topic: str, partition: int, offset: int) -> bytes:
+    return f"{topic}\n{partition}\n{offset}".encode()
+
+
+def parse_wake(payload: bytes) -> tuple[str, int, int] | None:
+    """(topic, partition, offset) of the record a wake-up announces; None for one that names
+    none (a sender from before wake-ups named records) or that cannot be read."""
+    try:
+        topic, partition, offset = payload.decode().split("\n")
+        return topic, int(partition), int(offset)
+    except ValueError:
+        return None
+
+
 @dataclass
 class FetchGate:
-    """Holds each fetch until a wake-up or the wait the previous fetch's outcome set; the
-    clock is the caller's (transport.py feeds it; tests drive it). After records the wait is
-    the short polling wait, so records a fetch could not carry (a size limit) wait no longer
-    than they would polling; after an empty fetch it is the fallback. A consumer that polls
-    (records without wake-ups) does not wait here: its fetches are held by the broker again."""
+    """Holds each fetch until a wake-up or the fallback; the clock is the caller's (transport.py
+    feeds it; tests drive it). Records a fetch could not carry (a size limit), or that came
+    while the last ones were handled, do not wait: the transport sees them in the broker's last
+    answer (its high watermarks) and calls `fetch_at_once`. So a consumer kept busy by records
+    that arrive one at a time no longer fetches once more after each, only to find nothing
+    (before, the wait after records was the polling wait, and at saturation a third of every
+    stage's fetches came back empty). A consumer that polls (records without wake-ups) does not
+    wait here: its fetches are held by the broker again."""
 
     fallback_ms: int
     # What a gated fetch asks the broker to hold it for. Not 1 ms: Tansu answered a 1 ms fetch
@@ -95,12 +117,44 @@ class FetchGate:
     polling: bool = False  # records came while no wake-up did: producers that never send them
     last_wake_at: float = float("-inf")
     next_wait_ms: int = 0  # the first fetch goes at once
+    # With it, a wake-up for a record the last answer already reported (its high watermark is
+    # past the record) does not send a fetch: at saturation such wake-ups, read while the fetch
+    # that brought their record was on its way, each sent one more fetch that found nothing.
+    known_end: KnownEnd | None = None
+    _announced: dict[tuple[str, int], int] = field(default_factory=dict)  # since the last fetch went
+    _unnamed: bool = False  # a wake-up that named no record, or a poke: always news
     _timed_out: bool = False
 
-    def wake(self, now: float) -> None:
+    def heard(self, now: float) -> None:
+        """A wake-up came, for news or not: this consumer's producers send them."""
         self.last_wake_at = now
         self.polling = False
+
+    def wake(self, now: float) -> None:
+        """A wake-up that names no record."""
+        self.heard(now)
+        self.poke()
+
+    def announce(self, topic: str, partition: int, offset: int, now: float) -> None:
+        """A wake-up for the record at `offset`: news unless the last answer reported it."""
+        self.heard(now)
+        key = (topic, partition)
+        self._announced[key] = max(offset, self._announced.get(key, offset))
         self.woken.set()
+
+    def poke(self) -> None:
+        """Fetch now (a resumed partition may have records waiting)."""
+        self._unnamed = True
+        self.woken.set()
+
+    def _news(self) -> bool:
+        if self._unnamed or self.known_end is None:
+            return True
+        for (topic, partition), offset in self._announced.items():
+            end = self.known_end(topic, partition)
+            if end is None or offset >= end:
+                return True
+        return False
 
     def after_fetch(self, got_records: bool, poll_ms: int, now: float) -> None:
         """Set the next fetch's wait; `poll_ms` is the polling wait (the adaptive fetch wait),
@@ -115,7 +169,7 @@ class FetchGate:
         if self.polling:
             self.next_wait_ms = 0  # the broker holds the fetch instead (fetch_max_wait_ms)
         else:
-            self.next_wait_ms = poll_ms if got_records else max(poll_ms, self.fallback_ms)
+            self.next_wait_ms = max(poll_ms, self.fallback_ms)
 
     def fetch_at_once(self) -> None:
         """The next fetch goes without waiting for a wake-up (records are known to be there)."""
@@ -132,19 +186,28 @@ class FetchGate:
         the coming fetch misses arrives after it); True when the fetch may go. Cancelled, it
         returns False instead of raising: aiokafka's fetcher, closing or reassigned, awaits
         its cancelled fetch tasks and expects them to return, as its own do."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.next_wait_ms / 1000
         try:
-            await asyncio.wait_for(self.woken.wait(), self.next_wait_ms / 1000)
+            while True:
+                await asyncio.wait_for(self.woken.wait(), max(0.0, deadline - loop.time()))
+                if self._news():
+                    break
+                self.woken.clear()  # each record announced came with the last answer
+                self._announced.clear()
         except asyncio.TimeoutError:
             self._timed_out = self.next_wait_ms > 0  # the first fetch waits for nothing
         except asyncio.CancelledError:
             return False
         self.woken.clear()
+        self._announced.clear()
+        self._unnamed = False
         return True
 
 
 class WakeListener:
-    """This process's socket in its stage's wake folder; each datagram sets `gate.woken`.
-    Runs on the loop that fetches (faust's consumer thread)."""
+    """This process's socket in its stage's wake folder; each datagram wakes `gate` (for the
+    record it names, if any). Runs on the loop that fetches (faust's consumer thread)."""
 
     def __init__(self, folder: Path, gate: FetchGate) -> None:
         self.path = folder / str(os.getpid())
@@ -165,15 +228,19 @@ class WakeListener:
 
     def _drain(self) -> None:
         assert self._sock is not None
+        now = time.monotonic()
         with contextlib.suppress(BlockingIOError):
             while True:
-                self._sock.recv(64)
-        self.gate.wake(time.monotonic())
+                record = parse_wake(self._sock.recv(512))
+                if record is None:
+                    self.gate.wake(now)
+                else:
+                    self.gate.announce(*record, now)
 
     def poke(self) -> None:
         """Wake the gate from any thread (a resumed partition may have records waiting)."""
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.gate.woken.set)
+            self._loop.call_soon_threadsafe(self.gate.poke)
 
     def close(self) -> None:
         if self._sock is None:
@@ -196,13 +263,16 @@ class WakeSender:
         self._sock.setblocking(False)
         self._listings: dict[Path, tuple[float, list[str]]] = {}
 
-    def notify(self, topic: str) -> None:
+    def notify(self, topic: str, partition: int | None = None, offset: int | None = None) -> None:
+        """`partition` and `offset`: the acknowledged record's, so its reader can tell whether its
+        last fetch already brought it; without them the wake-up is always news."""
         folder = self.reader_folders.get(topic)
         if folder is None:
             return
+        payload = b"" if partition is None or offset is None else wake_payload(topic, partition, offset)
         for path in self._listing(folder):
             try:
-                self._sock.sendto(b"", path)
+                self._sock.sendto(payload, path)
             except BlockingIOError:
                 pass  # its queue is full: it has wake-ups to read already
             except ConnectionRefusedError:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from aiokafka import TopicPartition
 
 from mmpipe.streams.fetch_wait import AdaptiveFetchWait, LagReadSchedule, ShortFetchWait
-from mmpipe.streams.transport import adapt_fetch_wait, fetch_cut_short
+from mmpipe.streams.transport import adapt_fetch_wait, fetch_cut_short, records_known
 from mmpipe.streams.wakeup import FetchGate
 
 
@@ -129,5 +129,44 @@ def test_the_transport_fetches_again_at_once_with_a_longer_wait_after_a_fetch_cu
         assert fetcher._fetch_max_wait_ms == 40 and gate.next_wait_ms == 0  # no wake-up to wait for
         assert await asyncio.wait_for(fetcher._proc_fetch_request(assignment, 0, request((0, 3))), 1)
         assert fetcher._fetch_max_wait_ms == gate.hold_ms  # whole again: back to the usual hold
+
+    asyncio.run(run())
+
+
+def test_records_known_means_a_high_watermark_past_the_requested_offset():
+    assert not records_known(Assignment(p0=PartitionState(position=5, highwater=5)), request((0, 5)))
+    assert not records_known(Assignment(p0=PartitionState(position=5, highwater=None)), request((0, 5)))
+    assert records_known(Assignment(p0=PartitionState(position=5, highwater=5),
+                                    p1=PartitionState(position=7, highwater=9)), request((0, 5), (1, 7)))
+    assert not records_known(Assignment(), request((1, 7)))  # revoked meanwhile
+
+
+def test_after_records_the_transport_waits_for_a_wake_up_unless_the_broker_reported_more():
+    class Fetcher:
+        def __init__(self) -> None:
+            self._fetch_max_wait_ms = 20
+            self._records: dict = {}
+            self.fetched = 0
+
+        async def _proc_fetch_request(self, assignment, node_id, req) -> bool:
+            self.fetched += 1
+            self._records[TopicPartition("t", 0)] = object()  # records came back
+            return True
+
+    async def run() -> None:
+        fetcher = Fetcher()
+        gate = FetchGate(fallback_ms=60_000)
+        adapt_fetch_wait(fetcher, AdaptiveFetchWait(20, 500, 1.0), gate)
+        state = PartitionState(position=3, highwater=4)
+        assignment = Assignment(p0=state)
+        assert await fetcher._proc_fetch_request(assignment, 0, request((0, 3)))  # the first goes at once
+        # The answer reported a record past offset 3 that it did not carry: fetch it at once.
+        assert await asyncio.wait_for(fetcher._proc_fetch_request(assignment, 0, request((0, 3))), 1)
+        # Caught up (offset 4 = high watermark 4): the next fetch waits for a wake-up ...
+        waiting = asyncio.ensure_future(fetcher._proc_fetch_request(assignment, 0, request((0, 4))))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and fetcher.fetched == 2
+        gate.wake(0.0)  # ... which a producer's datagram ends
+        assert await asyncio.wait_for(waiting, 1) and fetcher.fetched == 3
 
     asyncio.run(run())

@@ -19,12 +19,14 @@ from tests.conftest import make_settings
 from tests.helpers import publish, wait_for_results
 
 
-def test_waits_after_records_are_the_polling_wait_and_after_nothing_the_fallback():
+def test_after_records_or_nothing_a_fetch_waits_for_a_wake_up_or_the_fallback():
     gate = FetchGate(fallback_ms=200)
     assert gate.next_wait_ms == 0  # the first fetch goes at once
     gate.wake(0.0)
     gate.after_fetch(True, 20, 0.1)
-    assert gate.next_wait_ms == 20  # more records may be waiting that the fetch could not carry
+    assert gate.next_wait_ms == 200  # records known to be left are the transport's to announce
+    gate.fetch_at_once()
+    assert gate.next_wait_ms == 0
     gate.after_fetch(False, 20, 0.2)
     assert gate.next_wait_ms == 200
     gate.after_fetch(False, 500, 5.0)  # an idle consumer's backed-off wait is longer still
@@ -104,6 +106,46 @@ def test_a_sent_wake_up_reaches_the_listener_of_the_stage_reading_the_topic(tmp_
     asyncio.run(run())
 
 
+def test_a_wake_up_for_a_record_the_last_answer_reported_sends_no_fetch(tmp_path):
+    """A datagram read while the fetch that brought its record was on its way: once that
+    answer is in (the partition's known end past the record), it is no reason to fetch."""
+    folder = tmp_path / "wake" / "inference"
+    ends: dict[tuple[str, int], int] = {}
+
+    async def run() -> None:
+        gate = FetchGate(fallback_ms=60_000, known_end=lambda topic, partition: ends.get((topic, partition)))
+        gate.after_fetch(False, 20, 0.0)
+        listener = WakeListener(folder, gate)
+        listener.start()
+        sender = WakeSender({"mm.ready": folder})
+        try:
+            sender.notify("mm.ready", 2, 9)
+            await asyncio.wait_for(gate.woken.wait(), 5)
+            ends[("mm.ready", 2)] = 10  # then the answer that carried offset 9 came in
+            waiting = asyncio.ensure_future(gate.wait())
+            await asyncio.sleep(0.05)
+            assert not waiting.done() and gate.last_wake_at > 0  # no news: still waiting
+            sender.notify("mm.ready", 2, 10)  # past the known end: news
+            assert await asyncio.wait_for(waiting, 5)
+            waiting = asyncio.ensure_future(gate.wait())
+            sender.notify("mm.ready", 3, 0)  # a partition with no answer yet: news
+            assert await asyncio.wait_for(waiting, 5)
+            waiting = asyncio.ensure_future(gate.wait())
+            sender.notify("mm.ready")  # a wake-up naming no record: news
+            assert await asyncio.wait_for(waiting, 5)
+        finally:
+            listener.close()
+            sender.close()
+
+    asyncio.run(run())
+
+
+def test_wake_up_payloads_name_a_record_or_nothing():
+    assert wakeup.parse_wake(wakeup.wake_payload("mm.ready", 3, 99)) == ("mm.ready", 3, 99)
+    assert wakeup.parse_wake(b"") is None  # a wake-up naming no record
+    assert wakeup.parse_wake(b"garbage") is None
+
+
 def test_a_socket_left_by_a_killed_process_is_removed_and_a_missing_folder_is_no_error(tmp_path):
     folder = tmp_path / "inference"
     folder.mkdir()
@@ -166,7 +208,8 @@ def test_the_transport_holds_each_fetch_at_the_gate_and_sends_none_when_cancelle
         gate = FetchGate(fallback_ms=60_000)
         adapt_fetch_wait(fetcher, AdaptiveFetchWait(20, 500, 1.0), gate)
         assert await fetcher._proc_fetch_request(None, 0, NO_PARTITIONS)  # the first fetch goes at once
-        assert not await fetcher._proc_fetch_request(None, 0, NO_PARTITIONS)  # after records: the 20 ms wait
+        gate.wake(0.0)  # after records too, the next fetch waits for a wake-up
+        assert not await asyncio.wait_for(fetcher._proc_fetch_request(None, 0, NO_PARTITIONS), 5)
         assert fetcher.fetched == 2 and gate.next_wait_ms == 60_000
         held = asyncio.ensure_future(fetcher._proc_fetch_request(None, 0, NO_PARTITIONS))
         await asyncio.sleep(0.05)
@@ -217,9 +260,14 @@ def test_the_publisher_wakes_the_decode_stage_once_the_broker_has_its_event(brok
                 await publisher.publish(make_event("text", text="one"))
                 await asyncio.wait_for(gate.woken.wait(), 5)
                 gate.woken.clear()
+                gate._announced.clear()
                 await publisher.publish_many([make_event("text", text="two", priority=0),
                                               make_event("text", text="three")])
                 await asyncio.wait_for(gate.woken.wait(), 5)  # both lanes are decode's
+                await asyncio.sleep(0.05)
+                # Each wake-up names its partition's last record, so decode can tell news.
+                events = publisher.topics.events
+                assert {topic for topic, _ in gate._announced} == {events, f"{events}.high"}
         finally:
             listener.close()
         quiet = Publisher(settings.model_copy(update={"fetch_wakeups": False}))
