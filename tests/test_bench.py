@@ -336,10 +336,10 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
 
     settings = load_settings().model_copy(update={"fetch_wakeups": True, "consumer_in_thread": False, "decode_center_crop": True,
                                                   "fuse_preprocess": False, "preprocess_bypass": True,
-                                                  "event_loop": "uvloop"})
+                                                  "event_loop": "uvloop", "lag_interval_s": 1.0})
     variants = efficiency.variants(settings)
-    assert list(variants) == ["adaptive", "consumer thread", "asyncio loop", "no wake-ups", "whole frames", "no bypass", "fused",
-                              "polling"]
+    assert list(variants) == ["adaptive", "consumer thread", "asyncio loop", "no wake-ups", "lag twice a second", "whole frames",
+                              "no bypass", "fused", "polling"]
     keys = set(variants["polling"])
     assert all(set(o) == keys for o in variants.values())  # each applies alone, whatever ran before
     assert variants["adaptive"] == {k: getattr(settings, k) for k in keys}  # this build's own settings
@@ -347,6 +347,8 @@ def test_efficiency_variants_each_name_every_changed_setting_and_run_in_abba_ord
     assert variants["no wake-ups"]["fetch_wakeups"] is False and variants["no wake-ups"]["consumer_in_thread"] is False
     assert variants["polling"]["consumer_in_thread"] is True and variants["polling"]["event_loop"] == "asyncio"
     assert variants["asyncio loop"] == variants["adaptive"] | {"event_loop": "asyncio"}
+    assert variants["lag twice a second"] == variants["adaptive"] | {"lag_interval_s": 0.5}
+    assert variants["polling"]["lag_interval_s"] == 0.5
     assert variants["whole frames"] == variants["adaptive"] | {"decode_center_crop": False}
     assert variants["no bypass"] == variants["adaptive"] | {"preprocess_bypass": False}
     assert variants["fused"] == variants["adaptive"] | {"fuse_preprocess": True}

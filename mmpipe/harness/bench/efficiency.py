@@ -42,7 +42,8 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
     Where it runs each consumer on the stage's loop (streams/transport.py), "consumer thread"
     is the same on faust's consumer thread; where stages run on uvloop, "asyncio loop" runs
     them on asyncio's own loop; where it uses wake-ups between stages
-    (streams/wakeup.py), "no wake-ups" is the same polling; where decode cuts frames to the
+    (streams/wakeup.py), "no wake-ups" is the same polling; where lag is read less often than
+    twice a second, "lag twice a second" reads it so; where decode cuts frames to the
     model's centre crop, "whole frames" sends them whole; where decode places the parts it
     already made model-ready onto `ready` itself, "no bypass" sends every part through
     preprocess; where decode and preprocess run apart, "fused" runs them as one process (no
@@ -57,13 +58,16 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
         out["asyncio loop"] = {"event_loop": "asyncio"}
     if settings.fetch_wakeups:
         out["no wake-ups"] = {"fetch_wakeups": False}
+    if settings.lag_interval_s != 0.5:
+        out["lag twice a second"] = {"lag_interval_s": 0.5}
     if settings.decode_center_crop:
         out["whole frames"] = {"decode_center_crop": False}
     if settings.preprocess_bypass and not settings.fuse_preprocess:
         out["no bypass"] = {"preprocess_bypass": False}
     if not settings.fuse_preprocess:
         out["fused"] = {"fuse_preprocess": True}
-    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0, "model_cpus": [],
+    out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0,
+                      "lag_interval_s": 0.5, "model_cpus": [],
                       "fetch_wakeups": False, "consumer_in_thread": True, "event_loop": "asyncio"}
     unknown = set(only) - set(out)
     if unknown:
