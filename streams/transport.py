@@ -45,7 +45,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 import functools
 import logging
 import time
@@ -196,17 +196,23 @@ def known_end(subscriptions: Any, topic: str, partition: int) -> int | None:
     return None if state is None else state.highwater
 
 
+def _behind(assignment: Any, request: Any) -> Iterator[tuple[TopicPartition, Any, int]]:
+    """(partition, its state, the request's offset) for each partition of a fetch request whose
+    high watermark in the broker's last answer lies past that offset."""
+    for topic, partitions in request.topics:
+        for partition, offset, _max_bytes in partitions:
+            tp = TopicPartition(topic, partition)
+            state = assignment.state_value(tp)
+            if state is not None and state.highwater is not None and state.highwater > offset:
+                yield tp, state, offset
+
+
 def records_known(assignment: Any, request: Any) -> bool:
     """Whether the broker's last answer reported records at or past a partition's offset in this
     request (its high watermark is beyond it): a fetch size limit left them, or more came while
     the last ones were handled. A partition whose consumer caught up has nothing known: records
     after that are announced by a wake-up."""
-    for topic, partitions in request.topics:
-        for partition, offset, _max_bytes in partitions:
-            state = assignment.state_value(TopicPartition(topic, partition))
-            if state is not None and state.highwater is not None and state.highwater > offset:
-                return True
-    return False
+    return any(_behind(assignment, request))
 
 
 def fetch_cut_short(fetcher: Any, assignment: Any, request: Any) -> bool:
@@ -214,15 +220,8 @@ def fetch_cut_short(fetcher: Any, assignment: Any, request: Any) -> bool:
     watermark) and returned none for it. Read right after the fetch, before anything is
     consumed: a partition that got records has them buffered in the fetcher."""
     buffered = fetcher._records  # noqa: SLF001
-    for topic, partitions in request.topics:
-        for partition, offset, _max_bytes in partitions:
-            tp = TopicPartition(topic, partition)
-            state = assignment.state_value(tp)
-            if state is None or tp in buffered or not state.has_valid_position or state.position != offset:
-                continue
-            if state.highwater is not None and state.highwater > offset:
-                return True
-    return False
+    return any(tp not in buffered and state.has_valid_position and state.position == offset
+               for tp, state, offset in _behind(assignment, request))
 
 
 def first_committable_run(acked: list[int], committed: int | None, lowest_unacked: int | None) -> list[int]:

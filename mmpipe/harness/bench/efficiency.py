@@ -35,6 +35,7 @@ from mmpipe.streams.topics import TopicNames
 
 IDLE_LOAD = 0.3  # the latency check: p50 at 30% of saturation must not rise > 10%
 TOPIC_READ_TIMEOUT_S = 60.0
+LAG_TWICE_A_SECOND_S = 0.5  # the lag interval before 2026-12-08 ("polling" and its own variant)
 
 
 def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
@@ -58,8 +59,8 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
         out["asyncio loop"] = {"event_loop": "asyncio"}
     if settings.fetch_wakeups:
         out["no wake-ups"] = {"fetch_wakeups": False}
-    if settings.lag_interval_s != 0.5:
-        out["lag twice a second"] = {"lag_interval_s": 0.5}
+    if settings.lag_interval_s != LAG_TWICE_A_SECOND_S:
+        out["lag twice a second"] = {"lag_interval_s": LAG_TWICE_A_SECOND_S}
     if settings.decode_center_crop:
         out["whole frames"] = {"decode_center_crop": False}
     if settings.preprocess_bypass and not settings.fuse_preprocess:
@@ -67,7 +68,7 @@ def variants(settings: Settings, only: tuple[str, ...] = ()) -> dict[str, dict[s
     if not settings.fuse_preprocess:
         out["fused"] = {"fuse_preprocess": True}
     out["polling"] = {"fetch_idle_max_wait_ms": settings.fetch_max_wait_ms, "lag_idle_interval_s": 0.0,
-                      "lag_interval_s": 0.5, "model_cpus": [],
+                      "lag_interval_s": LAG_TWICE_A_SECOND_S, "model_cpus": [],
                       "fetch_wakeups": False, "consumer_in_thread": True, "event_loop": "asyncio"}
     unknown = set(only) - set(out)
     if unknown:
